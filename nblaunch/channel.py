@@ -1,0 +1,73 @@
+"""The worker -> kernel event stream.
+
+Each rank gets two inherited, one-way pipes from the kernel (no listening
+address exists, so no other process can write to them):
+
+* an *output* pipe that becomes the rank's file descriptors 1 and 2, so every
+  byte the rank or its C libraries print reaches the kernel even if the rank is
+  killed the next instant;
+* an *event* pipe carrying the small pickled records below.
+
+Events are plain frozen dataclasses of this module, so the kernel unpickles
+only types it knows plus what the rank's own result/exception contains.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Optional, Union
+
+__all__ = ["Started", "Result", "Failure", "Event", "EventSender", "decode"]
+
+
+@dataclass(frozen=True)
+class Started:
+    rank: int
+    pid: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Result:
+    rank: int
+    payload: bytes  # the pickled return value of fn
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    time: float
+    exc_type: str
+    message: str
+    traceback: str
+    exception: Optional[bytes]  # pickled exception object, when it pickles
+    phase: str  # "setup", "load", "fn" or "result"
+
+
+Event = Union[Started, Result, Failure]
+
+
+class EventSender:
+    """Worker-side end of the event pipe. Thread-safe; ``send`` never drops."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, event: Event) -> None:
+        data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def decode(data: bytes) -> Event:
+    event = pickle.loads(data)
+    if not isinstance(event, (Started, Result, Failure)):
+        raise TypeError(f"unexpected event type {type(event).__name__}")
+    return event

@@ -1,0 +1,151 @@
+"""Exception types raised in the kernel when a launch fails.
+
+A launch that fails raises one :class:`WorkerError`. It names the rank that
+failed *first* (the root cause) and carries that rank's own traceback; the
+other ranks' failures are kept in ``.failures`` and listed briefly after it.
+"""
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["LaunchError", "WorkerError", "RankFailure"]
+
+
+class LaunchError(RuntimeError):
+    """Base class of every error nblaunch raises about a launch itself."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What is known about one rank that did not return a result.
+
+    ``kind`` is ``"exception"`` (fn or the set-up raised), ``"signal"`` (the
+    process died from a signal it did not expect), ``"exit"`` (it exited with a
+    code and no report) or ``"stopped"`` (nblaunch stopped it after another
+    rank failed). ``time`` is the wall-clock time the failure was observed:
+    inside the rank for exceptions, in the kernel for deaths.
+    """
+
+    rank: int
+    kind: str
+    time: float
+    exc_type: str = ""
+    message: str = ""
+    remote_traceback: str = ""
+    exitcode: Optional[int] = None
+    signal: Optional[int] = None
+    last_lines: tuple[str, ...] = ()
+    exception: Optional[BaseException] = field(default=None, compare=False, repr=False)
+
+    @property
+    def signal_name(self) -> str:
+        return _signal_name(self.signal) if self.signal else ""
+
+    @property
+    def is_consequence(self) -> bool:
+        """True when this failure is most likely caused by another rank's.
+
+        A rank whose peer died sees its collective fail with a transport error
+        ("Connection closed by peer" in gloo, "remote process exited" in NCCL);
+        that error is real but it is not the root cause.
+        """
+        if self.kind == "stopped":
+            return True
+        if self.kind != "exception":
+            return False
+        text = f"{self.exc_type}: {self.message}"
+        return bool(_PEER_LOSS.search(text))
+
+    def summary(self) -> str:
+        """One line: what happened to this rank."""
+        if self.kind == "exception":
+            return f"rank {self.rank} raised {self.exc_type}: {self.message}".rstrip()
+        if self.kind == "signal":
+            return f"rank {self.rank} was killed by {self.signal_name}" + (
+                " (the out-of-memory killer is the usual sender)"
+                if self.signal == _signal.SIGKILL
+                else ""
+            )
+        if self.kind == "stopped":
+            return f"rank {self.rank} was stopped by nblaunch after the failure above"
+        return f"rank {self.rank} exited with code {self.exitcode} without returning a result"
+
+
+# Transport errors a rank sees when a *peer* went away first. Matched on the
+# exception text because gloo and NCCL raise plain RuntimeError/DistBackendError.
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"remote process exited|NCCL communicator was aborted|"
+    r"ProcessGroupGloo.*(?:recv|send|connect)|Socket Timeout|"
+    r"DistNetworkError|TCPStore.*(?:closed|reset)",
+    re.IGNORECASE,
+)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return f"{_signal.Signals(num).name}({-num})"
+    except ValueError:
+        return f"signal {num}"
+
+
+def root_cause(failures: list[RankFailure]) -> RankFailure:
+    """The failure to blame: the earliest that is not a consequence of another;
+    failing that, the earliest that a rank reported (not one nblaunch caused)."""
+    primary = [f for f in failures if not f.is_consequence]
+    reported = [f for f in failures if f.kind != "stopped"]
+    return min(primary or reported or failures, key=lambda f: f.time)
+
+
+class WorkerError(LaunchError):
+    """One or more ranks failed; the first one to fail is the subject.
+
+    Attributes: ``rank``, ``exitcode``, ``signal``, ``remote_traceback`` (of the
+    root-cause rank), ``failures`` (every rank that did not return, root cause
+    first), ``log_dir`` (where each rank's full output is kept). When the rank's
+    exception could be sent back it is chained as ``__cause__``.
+    """
+
+    def __init__(self, failures: list[RankFailure], log_dir: Optional[str] = None):
+        cause = root_cause(failures)
+        others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
+        self.failures = [cause, *others]
+        self.rank = cause.rank
+        self.exitcode = cause.exitcode
+        self.signal = cause.signal
+        self.remote_traceback = cause.remote_traceback
+        self.log_dir = log_dir
+        super().__init__(self._render())
+
+    @property
+    def root(self) -> RankFailure:
+        return self.failures[0]
+
+    def _render_lines(self) -> list[str]:
+        cause = self.root
+        lines = [cause.summary()]
+        if cause.remote_traceback:
+            lines += ["", f"Traceback from rank {cause.rank}:", cause.remote_traceback.rstrip()]
+        if cause.kind != "exception" and cause.last_lines:
+            lines += ["", f"Last lines printed by rank {cause.rank}:"]
+            lines += [f"  {line}" for line in cause.last_lines]
+        others = self.failures[1:]
+        if others:
+            lines += ["", "Other ranks:"] + [f"  {f.summary()}" for f in others]
+        if self.log_dir:
+            lines += ["", f"Full output of every rank: {self.log_dir}"]
+        return lines
+
+    def _render(self) -> str:
+        return "\n".join(self._render_lines())
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of formatting our own (launcher-internal)
+        # traceback, so the cell shows the failing rank's traceback.
+        return [f"WorkerError: {line}" if i == 0 else line for i, line in enumerate(self._render_lines())]
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.log_dir))

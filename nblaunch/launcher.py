@@ -1,0 +1,270 @@
+"""``notebook_launcher``: validate, decide, start, supervise, return."""
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import multiprocessing
+import os
+import socket
+import sys
+from numbers import Real
+from typing import Any, Callable, Optional, Sequence
+
+from . import worker
+from .display import TextDisplay
+from .errors import LaunchError
+from .logs import new_launch_dir
+from .supervisor import Supervisor
+
+__all__ = ["notebook_launcher", "choose_start_method", "default_threads"]
+
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
+MAX_PROCESSES = 256
+DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
+
+
+def notebook_launcher(
+    fn: Callable,
+    args: Sequence = (),
+    kwargs: Optional[dict] = None,
+    *,
+    num_processes: int,
+    start_method: str = "auto",
+    backend: str = "auto",
+    init_process_group: bool = True,
+    master_addr: str = "127.0.0.1",
+    threads_per_rank: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
+
+    Each rank gets the torchrun environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and,
+    unless ``init_process_group=False``, an initialised default process group
+    (``backend="auto"``: NCCL when every rank has its own GPU, else gloo).
+
+    Returns ``[result of rank 0, result of rank 1, ...]``. If any rank fails,
+    every other rank is stopped and :class:`nblaunch.WorkerError` is raised,
+    naming the rank that failed first and showing its traceback. An interrupt
+    stops every rank and re-raises ``KeyboardInterrupt``.
+
+    ``threads_per_rank`` (intra-op threads) defaults to
+    ``cpu_count // num_processes``, at least 1 and never more than the kernel's
+    own ``torch.get_num_threads()``. ``timeout`` (seconds) stops the launch and
+    raises :class:`nblaunch.LaunchTimeout` when it runs longer.
+    """
+    args, kwargs = _validate(fn, args, kwargs, num_processes, start_method, backend,
+                             init_process_group, master_addr, threads_per_rank, timeout)
+    if worker.current_spec() is not None:
+        raise LaunchError(
+            f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
+            "launch; nested launches are not supported. Call it from the notebook instead.")
+    method, reason = choose_start_method(start_method)
+    display = TextDisplay()
+    if reason:
+        display.notice(reason)
+    resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
+    threads = threads_per_rank or default_threads(num_processes)
+    job = (fn, tuple(args), kwargs) if method == "fork" else _pickle_job(fn, args, kwargs)
+
+    pg_timeout = float(timeout) if timeout is not None else DEFAULT_PG_TIMEOUT_S
+    specs = [
+        worker.WorkerSpec(
+            rank=rank, local_rank=rank, world_size=num_processes,
+            local_world_size=num_processes, master_addr=master_addr,
+            kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
+            pg_timeout_s=pg_timeout, env=_loopback_env(master_addr))
+        for rank in range(num_processes)
+    ]
+    stores = []
+
+    def rendezvous() -> int:
+        store, port = _host_store(master_addr, num_processes, pg_timeout)
+        stores.append(store)
+        return port
+
+    ctx = multiprocessing.get_context(method)
+    supervisor = Supervisor(ctx, specs, job, display, new_launch_dir(), rendezvous, timeout=timeout)
+    try:
+        return supervisor.run()
+    finally:
+        display.close()
+        stores.clear()
+
+
+def _host_store(addr: str, world_size: int, timeout_s: float):
+    """Host the rendezvous TCPStore in the kernel on a port the OS picks.
+
+    The listening socket is made here and handed over (the store owns it from
+    then on) because torch's own server binds every interface, dual-stack.
+    Binding ``addr`` alone keeps a single-node launch on loopback; it also
+    keeps peers' addresses plain IPv4, which torch formats with a reverse
+    lookup that, for ``::ffff:127.0.0.1``, goes to DNS and stalls seconds
+    on a machine whose resolver is unreachable (measured: 5 s launches).
+    """
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    store = dist.TCPStore(addr, port, world_size, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s),
+                          master_listen_fd=sock.detach())
+    return store, port
+
+
+def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:
+    """Return ``(method, notice)``; ``notice`` says why auto did not fork.
+
+    Fork is chosen only on Linux with CUDA not initialised in this process
+    (checked without initialising it). A forked rank is started from a fresh
+    thread, which keeps it safe from the kernel's OpenMP state.
+    """
+    available = multiprocessing.get_all_start_methods()
+    cuda_busy = _cuda_initialized()
+    if requested == "fork":
+        if "fork" not in available:
+            raise ValueError(f"start_method='fork' is not available on {sys.platform}; "
+                             "use 'auto' or 'spawn'")
+        if cuda_busy:
+            raise ValueError(
+                "start_method='fork' cannot be used: CUDA is initialised in this kernel and a "
+                "forked rank cannot use it. Use start_method='auto' (or 'forkserver'), or restart "
+                "the kernel and launch before anything touches the GPU.")
+        return "fork", None
+    if requested in ("forkserver", "spawn"):
+        if requested not in available:
+            raise ValueError(f"start_method={requested!r} is not available on {sys.platform}; "
+                             f"available: {available}")
+        return requested, None
+    fallback = "forkserver" if "forkserver" in available else "spawn"
+    if not sys.platform.startswith("linux"):
+        return "spawn", None  # the platform default on macOS and Windows
+    if cuda_busy:
+        return fallback, f"CUDA is initialised in this kernel; starting ranks with {fallback}"
+    return "fork", None
+
+
+def default_threads(num_processes: int) -> int:
+    """Intra-op threads for each rank: the CPUs this process may use split
+    evenly, at least 1, never more than the kernel's own setting."""
+    import torch
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cpus // num_processes))
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _resolve_backend(backend: str, num_processes: int) -> str:
+    import torch
+
+    gpus = torch.cuda.device_count()  # NVML count: does not initialise CUDA
+    if backend == "auto":
+        return "nccl" if gpus >= num_processes and torch.distributed.is_nccl_available() else "gloo"
+    if backend == "nccl" and gpus < num_processes:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {num_processes} ranks, "
+                         f"{gpus} GPU(s) visible. Use backend='gloo' or 'auto'.")
+    return backend
+
+
+def _loopback_env(master_addr: str) -> dict:
+    """Make gloo/NCCL bind the loopback interface for a single-node launch
+    (they otherwise bind whatever the hostname resolves to)."""
+    if not master_addr.startswith("127.") and master_addr not in ("localhost", "::1"):
+        return {}
+    import psutil
+
+    names = [name for name, addrs in psutil.net_if_addrs().items()
+             if any(a.address.startswith("127.") for a in addrs)]
+    if not names:
+        return {}
+    return {var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+            if var not in os.environ}
+
+
+def _pickle_job(fn, args, kwargs) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((fn, tuple(args), kwargs))
+    except Exception as exc:
+        raise TypeError(f"cannot send the job to the ranks: {_locate_unpicklable(fn, args, kwargs, exc)}") from exc
+
+
+def _locate_unpicklable(fn, args, kwargs, exc: Exception) -> str:
+    import cloudpickle
+
+    def fails(obj) -> Optional[str]:
+        try:
+            cloudpickle.dumps(obj)
+            return None
+        except Exception as e:  # noqa: BLE001
+            return str(e)
+
+    for i, arg in enumerate(args):
+        if (why := fails(arg)) is not None:
+            return f"args[{i}]: {why}"
+    for key, value in kwargs.items():
+        if (why := fails(value)) is not None:
+            return f"kwargs[{key!r}]: {why}"
+    code = getattr(fn, "__code__", None)
+    captured = dict(zip(code.co_freevars, [c.cell_contents for c in fn.__closure__ or ()])) if code else {}
+    if code is not None:
+        captured.update({n: fn.__globals__[n] for n in code.co_names if n in fn.__globals__})
+    for name, value in captured.items():
+        if (why := fails(value)) is not None:
+            return f"captured by fn as `{name}`: {why}"
+    return f"fn: {exc}"
+
+
+def _validate(fn, args, kwargs, num_processes, start_method, backend, init_process_group,
+              master_addr, threads, timeout):
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r:.80}")
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None)):
+        raise TypeError("fn is an async function; notebook_launcher runs plain functions. "
+                        "Wrap it: notebook_launcher(lambda: asyncio.run(fn()), ...)")
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError("fn is a generator function; its generator cannot be returned from a rank. "
+                        "Return a list or a value instead.")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict with str keys, got {type(kwargs).__name__}")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int):
+        raise TypeError(f"num_processes must be an int, got {type(num_processes).__name__}: {num_processes!r}")
+    if not 1 <= num_processes <= MAX_PROCESSES:
+        raise ValueError(f"num_processes must be between 1 and {MAX_PROCESSES}, got {num_processes}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if not isinstance(backend, str) or not (backend in BACKENDS or ":" in backend):
+        raise ValueError(f"backend must be one of {BACKENDS} or a 'cpu:gloo,cuda:nccl' style "
+                         f"string, got {backend!r}")
+    if not isinstance(init_process_group, bool):
+        raise TypeError(f"init_process_group must be True or False, got {init_process_group!r}")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(f"master_addr must be a host name or address string, got {master_addr!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads_per_rank must be a positive int or None, got {threads!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)
+                                or not timeout > 0 or timeout != timeout or timeout == float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return list(args), dict(kwargs)

@@ -1,0 +1,331 @@
+"""Start the ranks, watch them, stop them, and turn what happened into an outcome.
+
+The supervisor runs in the thread that called ``notebook_launcher`` (the cell's
+thread): a ``KeyboardInterrupt`` from the kernel lands right in its wait loop,
+and the display it drives prints into the right cell.
+
+Ranks are *started* from a fresh helper thread instead. A forked child's main
+thread is a copy of the thread that forked it, and GNU OpenMP keeps its worker
+pool per thread: forking from a thread that never ran a parallel region gives
+the child a clean pool, so a kernel that already ran ``torch.randn(n).sum()``
+cannot hang the ranks. The helper thread lives until the launch is over
+because Linux sends the ranks' parent-death signal when the *thread* that
+forked them ends.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Optional
+
+import psutil
+
+from .channel import Failure, Result, Started, decode
+from .errors import LaunchError, RankFailure, WorkerError
+from .worker import WorkerSpec, run_worker
+
+__all__ = ["Supervisor", "LaunchTimeout"]
+
+STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only dies to SIGKILL
+TAIL_LINES = 40
+_TICK_S = 0.1
+_NO_RESULT = object()
+
+
+class LaunchTimeout(LaunchError):
+    """The launch ran past its ``timeout``; the ranks were stopped."""
+
+
+@dataclass
+class _Rank:
+    spec: WorkerSpec
+    proc: Any
+    go: Connection
+    events: Connection
+    output: Connection
+    log: BinaryIO
+    partial: bytearray = field(default_factory=bytearray)
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    result: Any = _NO_RESULT
+    failure: Optional[RankFailure] = None
+    exited: bool = False
+    stopped: bool = False  # nblaunch sent it a signal
+    events_open: bool = True
+    output_open: bool = True
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+
+class Supervisor:
+    """One launch: ``run()`` returns the per-rank results or raises."""
+
+    def __init__(self, ctx, specs: list[WorkerSpec], job: Any, display, log_dir: Path,
+                 rendezvous: Callable[[], int], timeout: Optional[float] = None):
+        self._ctx = ctx
+        self._display = display
+        self._rendezvous = rendezvous
+        self._log_dir = log_dir
+        self._timeout = timeout
+        self._stop_deadline: Optional[float] = None
+        self._release = threading.Event()  # set: the starter thread may end
+        self._started = threading.Event()  # set: the starter thread has started every rank
+        self._starter: Optional[threading.Thread] = None
+        self._ranks: list[_Rank] = []
+        child_ends = []
+        for spec in specs:
+            go_r, go_w = ctx.Pipe(duplex=False)
+            ev_r, ev_w = ctx.Pipe(duplex=False)
+            out_r, out_w = ctx.Pipe(duplex=False)
+            os.set_blocking(out_r.fileno(), False)
+            log = open(log_dir / f"rank{spec.rank}.log", "wb")
+            proc = ctx.Process(target=run_worker, args=(spec, job, go_r, ev_w, out_w),
+                               name=f"nblaunch-rank{spec.rank}", daemon=False)
+            self._ranks.append(_Rank(spec, proc, go_w, ev_r, out_r, log))
+            child_ends += [go_r, ev_w, out_w]
+        self._child_ends = child_ends
+
+    # -- public -----------------------------------------------------------------
+
+    def run(self) -> list:
+        try:
+            self._start()
+            self._watch()
+        except BaseException:
+            self._stop(grace=STOP_GRACE_S)
+            raise
+        finally:
+            self._cleanup()
+        return self._outcome()
+
+    # -- starting ----------------------------------------------------------------
+
+    def _start(self) -> None:
+        started = self._started
+        errors: list[BaseException] = []
+
+        def starter() -> None:
+            try:
+                for r in self._ranks:
+                    if self._release.is_set():
+                        break
+                    r.proc.start()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
+                errors.append(exc)
+            finally:
+                started.set()
+            self._release.wait()
+
+        self._starter = threading.Thread(target=starter, name="nblaunch-starter", daemon=True)
+        self._starter.start()
+        while not started.wait(_TICK_S):
+            pass
+        for end in self._child_ends:
+            end.close()
+        if errors:
+            raise LaunchError(f"could not start the ranks: {errors[0]!r}") from errors[0]
+        # Only now, with every fork done, may the kernel run the store's
+        # server thread: a fork while that thread holds a libc lock (its
+        # getnameinfo on accept) hands the child a lock no one will release.
+        port = self._rendezvous()
+        for r in self._ranks:
+            try:
+                r.go.send({"master_port": port})
+            except OSError:
+                pass  # that rank already died; its sentinel will tell
+            r.go.close()
+
+    # -- watching ----------------------------------------------------------------
+
+    def _watch(self) -> None:
+        t0 = time.monotonic()
+        while True:
+            live = [r for r in self._ranks if not r.exited]
+            if not live:
+                break
+            handles: dict[Any, tuple[_Rank, Callable]] = {}
+            for r in live:
+                if r.events_open:
+                    handles[r.events] = (r, self._read_events)
+                if r.output_open:
+                    handles[r.output] = (r, self._read_output)
+                handles[r.proc.sentinel] = (r, self._on_exit)
+            for ready in wait(list(handles), timeout=_TICK_S):
+                rank, handler = handles[ready]
+                if not rank.exited:
+                    handler(rank)
+            now = time.monotonic()
+            if self._stop_deadline is not None and now >= self._stop_deadline:
+                self._signal_live(signal.SIGKILL)
+                self._stop_deadline = float("inf")
+            if self._timeout is not None and now - t0 > self._timeout:
+                raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; ranks stopped")
+            self._display.tick()
+
+    def _read_output(self, r: _Rank) -> None:
+        while r.output_open:
+            try:
+                data = os.read(r.output.fileno(), 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                r.output_open = False
+                self._end_output(r)
+                return
+            r.log.write(data)
+            r.partial += data
+            if b"\n" in data:
+                *whole, rest = r.partial.split(b"\n")
+                r.partial = bytearray(rest)
+                self._emit(r, [w.decode("utf-8", "replace") for w in whole])
+
+    def _end_output(self, r: _Rank) -> None:
+        if r.partial:
+            self._emit(r, [r.partial.decode("utf-8", "replace")])
+            r.partial = bytearray()
+
+    def _emit(self, r: _Rank, lines: list[str]) -> None:
+        # What a terminal would show of a line rewritten with carriage returns.
+        lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines]
+        r.tail.extend(lines)
+        self._display.rank_lines(r.rank, lines)
+
+    def _read_events(self, r: _Rank) -> None:
+        while r.events_open and r.events.poll(0):
+            try:
+                event = decode(r.events.recv_bytes())
+            except (EOFError, OSError):
+                r.events_open = False
+                return
+            if isinstance(event, Result):
+                r.result = event.payload
+            elif isinstance(event, Failure):
+                r.failure = _failure_from_event(event)
+                self._begin_stop()
+            elif isinstance(event, Started):
+                pass
+
+    def _on_exit(self, r: _Rank) -> None:
+        r.proc.join()
+        self._read_events(r)
+        self._read_output(r)
+        self._end_output(r)
+        r.exited = True
+        code = r.proc.exitcode
+        if r.failure is None and r.result is _NO_RESULT:
+            r.failure = self._death(r, code)
+        elif r.failure is not None and r.failure.exitcode is None:
+            r.failure = replace(r.failure, exitcode=code)
+        if r.failure is not None and r.failure.kind != "stopped":
+            self._begin_stop()
+
+    def _death(self, r: _Rank, code: int) -> RankFailure:
+        tail = tuple(r.tail)
+        now = time.time()
+        if r.stopped:
+            return RankFailure(r.rank, "stopped", now, exitcode=code,
+                               signal=-code if code < 0 else None, last_lines=tail)
+        if code < 0:
+            return RankFailure(r.rank, "signal", now, exitcode=code, signal=-code, last_lines=tail)
+        return RankFailure(r.rank, "exit", now, exitcode=code, last_lines=tail)
+
+    # -- stopping ----------------------------------------------------------------
+
+    def _begin_stop(self) -> None:
+        """A rank failed: ask every other live rank to stop, kill after a grace."""
+        if self._stop_deadline is None:
+            self._signal_live(signal.SIGTERM)
+            self._stop_deadline = time.monotonic() + STOP_GRACE_S
+
+    def _signal_live(self, sig: int) -> None:
+        for r in self._ranks:
+            if r.exited or r.proc.pid is None:
+                continue
+            if r.result is _NO_RESULT and r.failure is None:
+                r.stopped = True
+            _signal_tree(r.proc.pid, sig)
+
+    def _stop(self, grace: float) -> None:
+        """Stop every rank now (interrupt, timeout, internal error)."""
+        if self._starter is not None:
+            self._signal_live(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for r in self._ranks:
+                if r.proc.pid is not None:
+                    r.proc.join(max(0.0, deadline - time.monotonic()))
+            self._signal_live(signal.SIGKILL)
+
+    def _cleanup(self) -> None:
+        try:
+            if self._starter is not None:
+                self._release.set()  # no more starts ...
+                self._started.wait()  # ... and none in flight
+            for r in self._ranks:
+                if r.proc.pid is not None and r.proc.exitcode is None:
+                    _signal_tree(r.proc.pid, signal.SIGKILL)
+                    r.proc.join()
+        finally:
+            self._release.set()
+            if self._starter is not None:
+                self._starter.join()
+            for r in self._ranks:
+                r.go.close()
+                r.events.close()
+                r.output.close()
+                r.log.close()
+            for end in self._child_ends:
+                end.close()
+
+    # -- outcome -----------------------------------------------------------------
+
+    def _outcome(self) -> list:
+        failures = [r.failure for r in self._ranks if r.failure is not None]
+        if not failures:
+            results = []
+            for r in self._ranks:
+                try:
+                    results.append(pickle.loads(r.result))
+                except Exception as exc:
+                    failures.append(RankFailure(
+                        r.rank, "exception", time.time(), exc_type=type(exc).__qualname__,
+                        message=f"the result of rank {r.rank} could not be unpickled in the kernel: {exc}"))
+            if not failures:
+                return results
+        error = WorkerError(failures, log_dir=str(self._log_dir))
+        raise error from error.root.exception
+
+
+def _failure_from_event(event: Failure) -> RankFailure:
+    exception = None
+    if event.exception is not None:
+        try:
+            exception = pickle.loads(event.exception)
+        except Exception:
+            exception = None
+    return RankFailure(event.rank, "exception", event.time, exc_type=event.exc_type,
+                       message=event.message, remote_traceback=event.traceback,
+                       exception=exception)
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    """Signal a rank and every process it started (DataLoader workers...)."""
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for proc in reversed(procs):
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass

@@ -1,0 +1,262 @@
+"""What runs inside one rank.
+
+Order matters and is the contract: watch for the kernel's death, take over
+file descriptors 1/2, set the torchrun environment, report ``Started``, set up
+the process group, load and run ``fn``, report ``Result`` or ``Failure``, tear
+down, and leave with ``os._exit`` (never through interpreter shutdown, which
+can hang on threads or atexit handlers the kernel left in a forked child).
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from .channel import EventSender, Failure, Result, Started
+
+__all__ = ["WorkerSpec", "run_worker", "current_spec"]
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.2
+
+_current: Optional["WorkerSpec"] = None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to know about its place in the launch."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    kernel_pid: int
+    backend: Optional[str]  # None: fn initialises the process group itself
+    threads: int
+    pg_timeout_s: float
+    env: dict = field(default_factory=dict)  # extra variables for this rank
+
+
+def current_spec() -> Optional[WorkerSpec]:
+    """The spec of the rank this code runs in, or None outside a launch."""
+    return _current
+
+
+def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
+               output: Connection) -> None:
+    """Entry point of a rank process. ``job`` is ``(fn, args, kwargs)``, or
+    those three cloudpickled to bytes when the rank was not forked. ``go``
+    delivers the rendezvous port once every rank has been started."""
+    global _current
+    parent = os.getppid()
+    _watch_parent(spec.kernel_pid, parent)
+    _capture_output(output)
+    sender = EventSender(events)
+    _current = spec
+    phase = "setup"
+    made_group = False
+    try:
+        os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
+        master_port = go.recv()["master_port"]
+        go.close()
+        os.environ.update(_torchrun_env(spec, master_port))
+        os.environ.update(spec.env)
+        sender.send(Started(spec.rank, os.getpid(), time.time()))
+        made_group = _setup_torch(spec)
+        phase = "load"
+        fn, args, kwargs = _load(job)
+        phase = "fn"
+        try:
+            value = fn(*args, **kwargs)
+        except SystemExit as exc:  # sys.exit(0) in a rank is an ordinary return
+            if exc.code not in (None, 0):
+                raise
+            value = None
+        phase = "result"
+        sender.send(Result(spec.rank, _dump_result(spec.rank, value)))
+    except BaseException as exc:  # noqa: BLE001 - every failure must be reported
+        _report(sender, spec.rank, phase, exc)
+        _leave(1)
+    if made_group:
+        _destroy_group()
+    _leave(0)
+
+
+def _watch_parent(kernel_pid: int, parent: int) -> None:
+    """Die with the kernel: a kernel-side signal, plus a poll that catches a
+    parent that died before the signal was armed (or a forkserver parent)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+    def alive() -> bool:
+        if os.getppid() != parent:
+            return False
+        try:
+            os.kill(kernel_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    if not alive():
+        os._exit(1)
+
+    def poll() -> None:
+        while alive():
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=poll, name="nblaunch-parent-watch", daemon=True).start()
+
+
+def _capture_output(output: Connection) -> None:
+    """Point fds 1 and 2 at the kernel's output pipe for this rank, and give
+    Python line-buffered streams on them (the kernel's own streams, inherited
+    through fork, would talk to the kernel's sockets)."""
+    fd = output.fileno()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    output.close()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+    def stream(num: int) -> io.TextIOWrapper:
+        raw = open(num, "wb", closefd=False)
+        return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+
+    sys.stdout = sys.__stdout__ = stream(1)
+    sys.stderr = sys.__stderr__ = stream(2)
+    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _torchrun_env(spec: WorkerSpec, master_port: int) -> dict[str, str]:
+    env = {
+        "RANK": spec.rank,
+        "LOCAL_RANK": spec.local_rank,
+        "WORLD_SIZE": spec.world_size,
+        "LOCAL_WORLD_SIZE": spec.local_world_size,
+        "GROUP_RANK": 0,
+        "NODE_RANK": 0,
+        "ROLE_RANK": spec.rank,
+        "ROLE_WORLD_SIZE": spec.world_size,
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": master_port,
+        # The kernel hosts the TCPStore (bound to a free port it chose, so two
+        # launches can never race for one); env:// then makes every rank a
+        # client of it, exactly as under torchrun's agent.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": 0,
+        "OMP_NUM_THREADS": spec.threads,
+        "NBLAUNCH_RANK": spec.rank,
+    }
+    return {k: str(v) for k, v in env.items()}
+
+
+def _setup_torch(spec: WorkerSpec) -> bool:
+    """Threads, device and process group. Returns True if a group was made."""
+    import torch
+
+    torch.set_num_threads(spec.threads)
+    if torch.cuda.is_available() and spec.local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(spec.local_rank)
+    if spec.backend is None:
+        return False
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend=spec.backend,
+        init_method="env://",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
+    )
+    return True
+
+
+def _load(job: Any) -> tuple:
+    if isinstance(job, bytes):
+        import cloudpickle
+
+        return cloudpickle.loads(job)
+    return job
+
+
+def _dump_result(rank: int, value: Any) -> bytes:
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    import cloudpickle  # classes defined in the cell, closures...
+
+    try:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"the result of rank {rank} (a {type(value).__module__}.{type(value).__qualname__}) "
+            f"cannot be pickled: {exc}"
+        ) from None
+
+
+def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> None:
+    try:
+        pickled: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pickled = None
+    failure = Failure(
+        rank=rank,
+        time=time.time(),
+        exc_type=type(exc).__qualname__,
+        message=str(exc),
+        traceback=_format_user_traceback(exc),
+        exception=pickled,
+        phase=phase,
+    )
+    try:
+        sender.send(failure)
+    except Exception:
+        # The kernel is gone or the pipe broke: the traceback still goes to
+        # the output pipe, which the kernel reads to the end.
+        sys.stderr.write(failure.traceback)
+
+
+def _format_user_traceback(exc: BaseException) -> str:
+    """The traceback as the user would see it running fn in the cell: the
+    frames of this module, above fn, are left out."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _leave(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)

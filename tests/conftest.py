@@ -1,0 +1,157 @@
+"""Shared fixtures: real Jupyter kernels, and a guard that no test leaves a process behind."""
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+START_METHODS = ["fork", "forkserver", "spawn"]
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    me = psutil.Process()
+    return {p.pid: p for p in me.children(recursive=True) if _is_ours(p)}
+
+
+def _is_ours(p: psutil.Process) -> bool:
+    try:
+        # multiprocessing's forkserver and resource tracker live as long as
+        # the test process, by design; they are not rank processes.
+        cmd = " ".join(p.cmdline())
+        return not ("forkserver" in cmd or "resource_tracker" in cmd) and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` runs; return the ones still running."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    before = set(_descendants())
+    yield
+    leftover = [pid for pid in _descendants() if pid not in before]
+    still = wait_gone(leftover, timeout=10)
+    for pid in still:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not still, f"processes left behind: {still}"
+
+
+@dataclass
+class CellResult:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict | None = None
+    outputs: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.stdout + self.stderr
+
+
+class Kernel:
+    """A real IPython kernel (the environment's own Python) and a client."""
+
+    def __init__(self, extra_env: dict | None = None):
+        env = dict(os.environ)
+        env.pop("PYTEST_CURRENT_TEST", None)
+        env.update(extra_env or {})
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.pid
+
+    def execute(self, code: str, timeout: float = 120, on_output=None) -> CellResult:
+        result = CellResult()
+
+        def hook(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            result.outputs.append(msg)
+            if kind == "stream":
+                setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+                if on_output:
+                    on_output(content["text"])
+            elif kind == "error":
+                result.error = content
+
+        reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        if reply["content"]["status"] == "error" and result.error is None:
+            result.error = reply["content"]
+        return result
+
+    def execute_async(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def wait_for_output(self, needle: str, timeout: float = 60) -> str:
+        """Read iopub until a stream message contains ``needle``."""
+        seen = ""
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{needle!r} not seen; got {seen[-2000:]!r}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "stream":
+                seen += msg["content"]["text"]
+        return seen
+
+    def wait_for_reply(self, msg_id: str, timeout: float = 60) -> CellResult:
+        """Collect iopub of ``msg_id`` until the kernel is idle again."""
+        result = CellResult()
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+            elif kind == "error":
+                result.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                return result
+
+    def shutdown(self):
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel():
+    k = Kernel()
+    try:
+        yield k
+    finally:
+        k.shutdown()

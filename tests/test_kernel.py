@@ -1,0 +1,161 @@
+"""The launcher as a user meets it: cells executed in real IPython kernels."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import Kernel, wait_gone
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def kernel_ranks(k: Kernel) -> list[int]:
+    return [p.pid for p in psutil.Process(k.pid).children(recursive=True)
+            if "forkserver" not in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_earlier_openmp_cell_does_not_hang_the_ranks(kernel):
+    # The exact scenario that hangs accelerate.notebook_launcher and
+    # torch.multiprocessing fork: the kernel's main thread has a live GNU
+    # OpenMP pool, then ranks run parallel CPU ops of their own.
+    r = kernel.execute("import torch\nprint(torch.randn(10_000_000).sum().item() != 0)")
+    assert r.error is None and "True" in r.stdout
+    r = kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "def work():\n"
+        "    import torch\n"
+        "    x = torch.randn(10_000_000)\n"
+        "    return [round(float((x * 0 + 1).sum())), torch.get_num_threads()]\n"
+        "print('RESULT', notebook_launcher(work, num_processes=2, threads_per_rank=2))\n",
+        timeout=120,
+    )
+    assert r.error is None, r.error
+    assert "RESULT [[10000000, 2], [10000000, 2]]" in r.stdout
+
+
+def test_output_lines_and_results_reach_the_cell(kernel):
+    r = kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "import os\n"
+        "def hello(greeting):\n"
+        "    print(greeting, os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+        "    return int(os.environ['RANK']) * 100\n"
+        "out = notebook_launcher(hello, args=('hi from',), num_processes=2)\n"
+        "print('RESULT', out)\n"
+    )
+    assert r.error is None, r.error
+    assert "[rank 0] hi from 0 of 2" in r.stdout
+    assert "[rank 1] hi from 1 of 2" in r.stdout
+    assert "RESULT [0, 100]" in r.stdout
+
+
+def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel):
+    r = kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "import torch, torch.distributed as dist, time\n"
+        "def train():\n"
+        "    if dist.get_rank() == 1:\n"
+        "        time.sleep(0.2)\n"
+        "        raise KeyError('missing column')\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "notebook_launcher(train, num_processes=2)\n"
+    )
+    assert r.error is not None
+    assert r.error["ename"] == "WorkerError"
+    shown = "\n".join(r.error["traceback"])
+    assert shown.startswith("WorkerError: rank 1 raised KeyError: 'missing column'")
+    assert "raise KeyError('missing column')" in shown and "in train" in shown
+    assert "supervisor.py" not in shown  # the rank's traceback, not our internals
+    r = kernel.execute("try:\n    notebook_launcher(train, num_processes=2)\n"
+                       "except KeyError as e:\n    print('never')\n"
+                       "except Exception as e:\n    print('CAUSE', type(e.__cause__).__name__)\n")
+    assert "CAUSE KeyError" in r.stdout
+
+
+def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
+    kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "import os, time, torch, torch.distributed as dist\n"
+        "def stuck():\n"
+        "    print('ready', os.getpid(), flush=True)\n"
+        "    if dist.get_rank() == 0:\n"
+        "        dist.all_reduce(torch.ones(1))  # blocked in C: only SIGKILL ends it\n"
+        "    time.sleep(600)\n"
+    )
+    msg_id = kernel.execute_async("notebook_launcher(stuck, num_processes=2)")
+    seen = ""
+    while len(re.findall(r"ready (\d+)", seen)) < 2:
+        seen += kernel.wait_for_output("ready", timeout=60)
+    pids = [int(p) for p in re.findall(r"ready (\d+)", seen)]
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    reply = kernel.wait_for_reply(msg_id, timeout=30)
+    assert reply.error is not None and reply.error["ename"] == "KeyboardInterrupt"
+    assert wait_gone(pids, timeout=1.0) == [], "ranks outlived the interrupt by more than 1 s"
+    assert time.monotonic() - t0 < 10
+    assert kernel_ranks(kernel) == []
+    r = kernel.execute("print('AGAIN', notebook_launcher(lambda: 7, num_processes=2))")
+    assert r.error is None and "AGAIN [7, 7]" in r.stdout
+
+
+def test_killed_kernel_leaves_no_orphan_ranks():
+    k = Kernel()
+    try:
+        msg_id = k.execute_async(
+            "from nblaunch import notebook_launcher\n"
+            "import os, time\n"
+            "def wait():\n"
+            "    print('ready', os.getpid(), flush=True)\n"
+            "    time.sleep(600)\n"
+            "notebook_launcher(wait, num_processes=3)\n"
+        )
+        seen = ""
+        while len(re.findall(r"ready (\d+)", seen)) < 3:
+            seen += k.wait_for_output("ready", timeout=60)
+        pids = [int(p) for p in re.findall(r"ready (\d+)", seen)]
+        os.kill(k.pid, signal.SIGKILL)  # the kernel alone, not its process group
+        assert wait_gone(pids, timeout=5) == []
+    finally:
+        k.shutdown()
+
+
+def test_two_kernels_launching_at_once_never_collide():
+    kernels = [Kernel(), Kernel()]
+    try:
+        code = (
+            "from nblaunch import notebook_launcher\n"
+            "import torch, torch.distributed as dist\n"
+            "def job():\n"
+            "    t = torch.ones(1)\n"
+            "    dist.all_reduce(t)\n"
+            "    return int(t.item())\n"
+            "ok = sum(notebook_launcher(job, num_processes=2) == [2, 2] for _ in range(20))\n"
+            "print('OK', ok)\n"
+        )
+        for k in kernels:
+            k.execute("import nblaunch, torch.distributed")  # warm both before the race
+        barrier = threading.Barrier(2)
+        results = [None, None]
+
+        def go(i):
+            barrier.wait()
+            results[i] = kernels[i].execute(code, timeout=240)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in results:
+            assert r.error is None, r.error
+            assert "OK 20" in r.stdout
+    finally:
+        for k in kernels:
+            k.shutdown()
