@@ -125,6 +125,30 @@ def measure(sizes, reps) -> dict:
         kernel.close()
 
 
+def measure_relaunch(reps) -> dict:
+    """Cold (first, the forkserver starts and imports torch) and warm
+    forkserver launches against fork, 2 ranks, in a fresh kernel."""
+    kernel = BenchKernel()
+    try:
+        kernel.run(SETUP)
+        kernel.run("def launch_forkserver(n):\n"
+                   "    from nblaunch import notebook_launcher\n"
+                   "    t = time.perf_counter()\n"
+                   "    assert notebook_launcher(_job, num_processes=n, start_method='forkserver') == [float(n)] * n\n"
+                   "    return time.perf_counter() - t\n")
+        kernel.seconds("launch_nblaunch(2)")  # imports and first process group, paid by fork
+        cold = kernel.seconds("launch_forkserver(2)")
+        warm, fork = [], []
+        for _ in range(reps):
+            warm.append(kernel.seconds("launch_forkserver(2)"))
+            fork.append(kernel.seconds("launch_nblaunch(2)"))
+        return {"cold_forkserver_s": cold, "warm_forkserver_s": statistics.median(warm),
+                "fork_s": statistics.median(fork),
+                "warm/fork": statistics.median(warm) / statistics.median(fork)}
+    finally:
+        kernel.close()
+
+
 def summarise(times: dict, sizes) -> dict:
     med = {name: {n: statistics.median(times[name][n]) for n in sizes} for name in LAUNCHERS}
     ratios = {
@@ -195,7 +219,11 @@ def main(argv=None) -> int:
     sizes, reps = ([2], 1) if opts.smoke else (opts.sizes, opts.reps)
     times = measure(sizes, reps)
     summary = summarise(times, sizes)
+    summary["relaunch_2_ranks"] = measure_relaunch(reps)
     print(table(summary, sizes))
+    rl = summary["relaunch_2_ranks"]
+    print(f"\nnblaunch, 2 ranks: forkserver cold {rl['cold_forkserver_s']:.3f} s, warm "
+          f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
     if not opts.smoke:
         opts.out.mkdir(parents=True, exist_ok=True)
         record = {"versions": versions(), "reps": reps, "raw_s": times, **summary}

@@ -15,6 +15,7 @@ from . import worker
 from .display import TextDisplay
 from .errors import LaunchError
 from .logs import new_launch_dir
+from .payload import CloudJob, check_sendable
 from .supervisor import Supervisor
 
 __all__ = ["notebook_launcher", "choose_start_method", "default_threads"]
@@ -67,7 +68,13 @@ def notebook_launcher(
         display.notice(reason)
     resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
     threads = threads_per_rank or default_threads(num_processes)
-    job = (fn, tuple(args), kwargs) if method == "fork" else _pickle_job(fn, args, kwargs)
+    if method == "fork":
+        job: Any = (fn, tuple(args), kwargs)  # inherited as it is: nothing is pickled
+    else:
+        check_sendable(fn, args, kwargs)
+        job = CloudJob(fn, args, kwargs)
+        if method == "forkserver":
+            _preload_forkserver()
 
     pg_timeout = float(timeout) if timeout is not None else DEFAULT_PG_TIMEOUT_S
     specs = [
@@ -87,11 +94,16 @@ def notebook_launcher(
 
     ctx = multiprocessing.get_context(method)
     supervisor = Supervisor(ctx, specs, job, display, new_launch_dir(), rendezvous, timeout=timeout)
+    global_method = multiprocessing.get_start_method(allow_none=True)
     try:
         return supervisor.run()
     finally:
         display.close()
         stores.clear()
+        if global_method is None:
+            # Starting spawn/forkserver processes makes multiprocessing fix
+            # its global default as a side effect; the kernel had none.
+            multiprocessing.set_start_method(None, force=True)
 
 
 def _host_store(addr: str, world_size: int, timeout_s: float):
@@ -165,6 +177,15 @@ def default_threads(num_processes: int) -> int:
     return max(1, min(torch.get_num_threads(), cpus // num_processes))
 
 
+def _preload_forkserver() -> None:
+    """Have the forkserver (started once per kernel, from a fresh interpreter
+    that never touched CUDA or OpenMP) import torch, so the second and later
+    launches do not pay ``import torch`` per rank. Only takes effect if this
+    kernel's forkserver is not running yet."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
+
+
 def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_initialized())
@@ -195,41 +216,6 @@ def _loopback_env(master_addr: str) -> dict:
         return {}
     return {var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
             if var not in os.environ}
-
-
-def _pickle_job(fn, args, kwargs) -> bytes:
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps((fn, tuple(args), kwargs))
-    except Exception as exc:
-        raise TypeError(f"cannot send the job to the ranks: {_locate_unpicklable(fn, args, kwargs, exc)}") from exc
-
-
-def _locate_unpicklable(fn, args, kwargs, exc: Exception) -> str:
-    import cloudpickle
-
-    def fails(obj) -> Optional[str]:
-        try:
-            cloudpickle.dumps(obj)
-            return None
-        except Exception as e:  # noqa: BLE001
-            return str(e)
-
-    for i, arg in enumerate(args):
-        if (why := fails(arg)) is not None:
-            return f"args[{i}]: {why}"
-    for key, value in kwargs.items():
-        if (why := fails(value)) is not None:
-            return f"kwargs[{key!r}]: {why}"
-    code = getattr(fn, "__code__", None)
-    captured = dict(zip(code.co_freevars, [c.cell_contents for c in fn.__closure__ or ()])) if code else {}
-    if code is not None:
-        captured.update({n: fn.__globals__[n] for n in code.co_names if n in fn.__globals__})
-    for name, value in captured.items():
-        if (why := fails(value)) is not None:
-            return f"captured by fn as `{name}`: {why}"
-    return f"fn: {exc}"
 
 
 def _validate(fn, args, kwargs, num_processes, start_method, backend, init_process_group,

@@ -56,8 +56,8 @@ def current_spec() -> Optional[WorkerSpec]:
 
 def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                output: Connection) -> None:
-    """Entry point of a rank process. ``job`` is ``(fn, args, kwargs)``, or
-    those three cloudpickled to bytes when the rank was not forked. ``go``
+    """Entry point of a rank process. ``job`` is ``(fn, args, kwargs)``, or a
+    ``payload.PackedJob`` of them when the rank was not forked. ``go``
     delivers the rendezvous port once every rank has been started."""
     global _current
     parent = os.getppid()
@@ -103,16 +103,22 @@ def _watch_parent(kernel_pid: int, parent: int) -> None:
         except (OSError, AttributeError):
             pass
 
+    import psutil
+
+    try:
+        kernel = psutil.Process(kernel_pid)
+    except psutil.NoSuchProcess:
+        os._exit(1)
+
     def alive() -> bool:
+        # A killed kernel stays a zombie until the Jupyter server reaps it;
+        # under forkserver our parent is not the kernel, so look at its state.
         if os.getppid() != parent:
             return False
         try:
-            os.kill(kernel_pid, 0)
-        except ProcessLookupError:
+            return kernel.is_running() and kernel.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
             return False
-        except PermissionError:
-            pass
-        return True
 
     if not alive():
         os._exit(1)
@@ -192,11 +198,7 @@ def _setup_torch(spec: WorkerSpec) -> bool:
 
 
 def _load(job: Any) -> tuple:
-    if isinstance(job, bytes):
-        import cloudpickle
-
-        return cloudpickle.loads(job)
-    return job
+    return job if isinstance(job, tuple) else job.load()
 
 
 def _dump_result(rank: int, value: Any) -> bytes:

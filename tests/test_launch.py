@@ -215,9 +215,10 @@ def test_rank_killed_mid_collective_is_the_root_cause_not_its_peer():
         assert "rank 1 about to be killed" in str(err)
 
 
-def test_segfault_names_the_signal_and_shows_the_last_output():
+@pytest.mark.parametrize("method", START_METHODS)
+def test_segfault_names_the_signal_and_shows_the_last_output(method):
     with pytest.raises(WorkerError) as info:
-        notebook_launcher(segfault_on_rank_0, num_processes=2)
+        notebook_launcher(segfault_on_rank_0, num_processes=2, start_method=method)
     err = info.value
     assert err.rank == 0 and err.signal == signal.SIGSEGV
     assert "SIGSEGV(-11)" in str(err)
@@ -225,9 +226,10 @@ def test_segfault_names_the_signal_and_shows_the_last_output():
     assert "Segmentation fault" in str(err)  # faulthandler's report, captured from fd 2
 
 
-def test_unpicklable_result_names_rank_and_type():
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_unpicklable_result_names_rank_and_type(method):
     with pytest.raises(WorkerError) as info:
-        notebook_launcher(unpicklable_result, num_processes=2)
+        notebook_launcher(unpicklable_result, num_processes=2, start_method=method)
     err = info.value
     assert err.rank == 1
     assert "result of rank 1" in str(err) and "_thread.lock" in str(err)
@@ -240,10 +242,11 @@ def test_nested_launch_is_refused_clearly():
     assert isinstance(info.value.__cause__, nblaunch.LaunchError)
 
 
-def test_timeout_stops_the_ranks():
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_timeout_stops_the_ranks(method):
     start = time.monotonic()
     with pytest.raises(LaunchTimeout):
-        notebook_launcher(sleep_forever, num_processes=2, timeout=2)
+        notebook_launcher(sleep_forever, num_processes=2, timeout=2, start_method=method)
     assert time.monotonic() - start < 20
 
 

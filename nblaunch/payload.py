@@ -1,0 +1,134 @@
+"""Kernel -> ranks: the job (``fn``, ``args``, ``kwargs``) for ranks that are not forked.
+
+Functions, lambdas, closures and classes defined in notebook cells travel by
+value with cloudpickle. CPU tensors do not: torch's own multiprocessing
+reductions move their storage to shared memory once and hand each rank a
+file descriptor, so N ranks map one copy. Those reductions can pass a file
+descriptor only while ``Process.start()`` is pickling the process, which is
+why the job is pickled from ``__reduce__`` (once per rank, at start) and not
+to bytes up front.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from collections import ChainMap
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional
+
+import cloudpickle
+
+__all__ = ["CloudJob", "check_sendable"]
+
+
+class _SharingPickler(cloudpickle.Pickler):
+    # torch registers its tensor/storage reducers with ForkingPickler when
+    # torch.multiprocessing is imported (torch imports it itself).
+    dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+
+
+class _DryRunPickler(cloudpickle.Pickler):
+    """Pickles everything except tensor data, to find what cannot be sent
+    without paying for serialising gigabytes."""
+
+    def reducer_override(self, obj):
+        torch = _torch()
+        if torch is not None and isinstance(obj, (torch.Tensor, torch.UntypedStorage)):
+            return (type(None), ())
+        return super().reducer_override(obj)
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
+
+
+class CloudJob:
+    """The job, pickled with cloudpickle when a rank process is started."""
+
+    def __init__(self, fn, args: tuple, kwargs: dict):
+        self._job = (fn, tuple(args), dict(kwargs))
+
+    def __reduce__(self):
+        buf = io.BytesIO()
+        _SharingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(self._job)
+        return (PackedJob, (buf.getvalue(),))
+
+
+class PackedJob:
+    """What a rank receives: the bytes, unpickled only when the rank is ready
+    to report a failure to load them."""
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def load(self) -> tuple:
+        return pickle.loads(self._data)
+
+
+def check_sendable(fn, args, kwargs) -> None:
+    """Raise ``TypeError`` naming the first part of the job that cannot be pickled."""
+    problem = _why_not((fn, tuple(args), dict(kwargs)))
+    if problem is not None:
+        where = _locate(fn, args, kwargs) or f"fn or its arguments: {problem}"
+        raise TypeError(f"cannot send the job to the ranks: {where}")
+
+
+def _why_not(obj) -> Optional[str]:
+    try:
+        _DryRunPickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return str(exc) or type(exc).__name__
+
+
+class _Discard(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        return len(b)
+
+
+def _locate(fn, args, kwargs) -> Optional[str]:
+    """Narrow a pickling failure down to a path such as ``args[0].lock``."""
+    for i, arg in enumerate(args):
+        if (where := _descend(f"args[{i}]", arg, depth=3)) is not None:
+            return where
+    for key, value in kwargs.items():
+        if (where := _descend(f"kwargs[{key!r}]", value, depth=3)) is not None:
+            return where
+    for name, value in _captured(fn).items():
+        if (where := _descend(name, value, depth=3)) is not None:
+            return f"{where} (captured by fn as `{name}`)"
+    return None
+
+
+def _descend(path: str, obj: Any, depth: int) -> Optional[str]:
+    why = _why_not(obj)
+    if why is None:
+        return None
+    if depth > 0:
+        if isinstance(obj, dict):
+            children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        else:
+            children = [(f"{path}.{k}", v) for k, v in getattr(obj, "__dict__", {}).items()]
+        for child_path, child in children:
+            if (where := _descend(child_path, child, depth - 1)) is not None:
+                return where
+    return f"{path}: {why}"
+
+
+def _captured(fn) -> dict:
+    """Names a function uses from its closure and its globals."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        call = getattr(type(fn), "__call__", None)
+        return {"self": fn} if call is not None and hasattr(fn, "__dict__") else {}
+    names = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    names.update({n: fn.__globals__[n] for n in code.co_names if n in fn.__globals__})
+    return names
+

@@ -1,0 +1,144 @@
+"""The kernel is left as found, nothing listens beyond loopback, and no input
+breaks the launcher (property-based)."""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import multiprocessing
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nblaunch import LaunchTimeout, WorkerError, notebook_launcher
+
+
+def _kernel_state():
+    return {
+        "environ": dict(os.environ),
+        "sys.path": list(sys.path),
+        "signals": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD,
+                                                      signal.SIGUSR1, signal.SIGPIPE)},
+        "start method": multiprocessing.get_start_method(allow_none=True),
+        "threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
+        "shm": set(os.listdir("/dev/shm")),
+    }
+
+
+def ok():
+    return 1
+
+
+def boom():
+    raise RuntimeError("boom")
+
+
+def nap():
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("fn,expect", [(ok, None), (boom, WorkerError), (nap, LaunchTimeout)],
+                         ids=["success", "failure", "timeout"])
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_the_kernel_is_left_as_found(fn, expect, method):
+    before = _kernel_state()
+    if expect is None:
+        assert notebook_launcher(fn, num_processes=2, start_method=method) == [1, 1]
+    else:
+        with pytest.raises(expect):
+            notebook_launcher(fn, num_processes=2, start_method=method, timeout=3)
+    assert _kernel_state() == before
+
+
+def listening_and_wait():
+    import time as _time
+
+    print("listening", flush=True)
+    _time.sleep(2)
+    return os.getpid()
+
+
+def test_nothing_listens_beyond_loopback_during_a_launch():
+    import threading
+
+    seen = []
+    done = threading.Event()
+
+    def sample():
+        me = psutil.Process()
+        while not done.is_set():
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    conns = proc.net_connections(kind="inet")
+                except psutil.Error:
+                    continue
+                seen.extend((proc.pid, c.laddr) for c in conns if c.status == psutil.CONN_LISTEN)
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        pids = notebook_launcher(listening_and_wait, num_processes=2)
+    finally:
+        done.set()
+        sampler.join()
+    rank_listeners = [addr for pid, addr in seen if pid in pids]
+    assert rank_listeners, "expected gloo to listen while the ranks ran"
+    assert any(pid == os.getpid() for pid, _ in seen), "expected the kernel's store to listen"
+    for pid, addr in seen:
+        assert ipaddress.ip_address(addr.ip).is_loopback, f"pid {pid} listens on {addr}"
+
+
+# --- any input: a clear TypeError/ValueError before any process, or a correct run ---
+
+
+class Model:
+    def __init__(self):
+        self.k = 2
+
+    def method(self, x=0):
+        return self.k + x
+
+
+async def coroutine_fn():
+    return 1
+
+
+FNS = st.sampled_from([
+    ok, lambda: 1, lambda x=0: x, Model, Model().method, functools.partial(Model().method, 1),
+    coroutine_fn, functools.partial(coroutine_fn), len, print, 42, None, "ok",
+])
+NUMS = st.one_of(st.integers(min_value=-5, max_value=2), st.integers(min_value=257, max_value=10**9),
+                 st.sampled_from([10**6, 2.0, True, None, "2", [2]]))
+ARGS = st.one_of(st.just(()), st.tuples(st.integers()), st.lists(st.integers(), max_size=2),
+                 st.sampled_from([5, "ab", None, {"a": 1}, b"x"]), st.builds(lambda: (x for x in [1])))
+TIMEOUTS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True),
+                     st.sampled_from([-1, 0, 30, "5", True]))
+METHODS = st.one_of(st.sampled_from(["auto", "fork", "forkserver"]), st.text(max_size=8))
+BACKENDS = st.one_of(st.sampled_from(["auto", "gloo"]), st.text(max_size=8))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fn=FNS, n=NUMS, args=ARGS, timeout=TIMEOUTS, method=METHODS, backend=BACKENDS)
+def test_any_input_gives_a_clear_error_or_a_correct_run(fn, n, args, timeout, method, backend):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    start = time.monotonic()
+    try:
+        out = notebook_launcher(fn, args=args, num_processes=n, timeout=timeout,
+                                start_method=method, backend=backend)
+    except (TypeError, ValueError) as exc:
+        assert time.monotonic() - start < 1.0
+        assert str(exc)  # says what was given and what is allowed
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+        return
+    except WorkerError as exc:
+        # The arguments were valid, fn itself failed in the ranks (e.g. len()).
+        assert exc.failures
+        return
+    assert isinstance(out, list) and len(out) == n
