@@ -76,13 +76,17 @@ def notebook_launcher(
         if method == "forkserver":
             _preload_forkserver()
 
-    pg_timeout = float(timeout) if timeout is not None else DEFAULT_PG_TIMEOUT_S
+    # Collectives give up a little after the launch would: the launch timeout
+    # then fires first and shows where every rank is, instead of gloo's error.
+    pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else float(timeout) + max(10.0, 0.1 * float(timeout))
+    log_dir = new_launch_dir()
     specs = [
         worker.WorkerSpec(
             rank=rank, local_rank=rank, world_size=num_processes,
             local_world_size=num_processes, master_addr=master_addr,
             kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
-            pg_timeout_s=pg_timeout, env=_loopback_env(master_addr))
+            pg_timeout_s=pg_timeout, env=_loopback_env(master_addr),
+            stack_file=str(log_dir / f"rank{rank}.stacks"))
         for rank in range(num_processes)
     ]
     stores = []
@@ -93,7 +97,7 @@ def notebook_launcher(
         return port
 
     ctx = multiprocessing.get_context(method)
-    supervisor = Supervisor(ctx, specs, job, display, new_launch_dir(), rendezvous, timeout=timeout)
+    supervisor = Supervisor(ctx, specs, job, display, log_dir, rendezvous, timeout=timeout)
     global_method = multiprocessing.get_start_method(allow_none=True)
     try:
         return supervisor.run()

@@ -29,6 +29,7 @@ import psutil
 
 from .channel import Failure, Result, Started, decode
 from .errors import LaunchError, RankFailure, WorkerError
+from .stacks import collect, format_stacks
 from .worker import WorkerSpec, run_worker
 
 __all__ = ["Supervisor", "LaunchTimeout"]
@@ -99,6 +100,11 @@ class Supervisor:
         try:
             self._start()
             self._watch()
+        except KeyboardInterrupt:
+            # The user pressed stop, most likely because it looks stuck.
+            self._display.notice("interrupted; where each rank was:\n" + self._where())
+            self._stop(grace=STOP_GRACE_S)
+            raise
         except BaseException:
             self._stop(grace=STOP_GRACE_S)
             raise
@@ -167,7 +173,9 @@ class Supervisor:
                 self._signal_live(signal.SIGKILL)
                 self._stop_deadline = float("inf")
             if self._timeout is not None and now - t0 > self._timeout:
-                raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; ranks stopped")
+                raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; "
+                                    f"where each rank was (innermost frame first):\n{self._where()}\n"
+                                    f"The ranks were stopped. Full output: {self._log_dir}")
             self._display.tick()
 
     def _read_output(self, r: _Rank) -> None:
@@ -238,6 +246,14 @@ class Supervisor:
         if code < 0:
             return RankFailure(r.rank, "signal", now, exitcode=code, signal=-code, last_lines=tail)
         return RankFailure(r.rank, "exit", now, exitcode=code, last_lines=tail)
+
+    def _where(self) -> str:
+        """Each live rank's main-thread stack, innermost frames first."""
+        live = {r.rank: (r.proc.pid, r.spec.stack_file) for r in self._ranks
+                if not r.exited and r.proc.pid is not None and r.spec.stack_file}
+        if not live:
+            return "  (no rank was running)"
+        return format_stacks(collect(live), {rank: path for rank, (_, path) in live.items()})
 
     # -- stopping ----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
+from . import stacks
 from .channel import EventSender, Failure, Result, Started
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
@@ -47,6 +48,7 @@ class WorkerSpec:
     threads: int
     pg_timeout_s: float
     env: dict = field(default_factory=dict)  # extra variables for this rank
+    stack_file: str = ""  # where faulthandler dumps this rank's stacks on SIGUSR1
 
 
 def current_spec() -> Optional[WorkerSpec]:
@@ -63,6 +65,8 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     parent = os.getppid()
     _watch_parent(spec.kernel_pid, parent)
     _capture_output(output)
+    if spec.stack_file:
+        stacks.register(spec.stack_file)
     sender = EventSender(events)
     _current = spec
     phase = "setup"

@@ -250,6 +250,30 @@ def test_timeout_stops_the_ranks(method):
     assert time.monotonic() - start < 20
 
 
+def deadlock():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(60)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_timeout_shows_where_each_rank_is(method):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        notebook_launcher(deadlock, num_processes=2, timeout=5, start_method=method)
+    assert time.monotonic() - start < 5 + 3
+    text = str(info.value)
+    rank0 = next(line for line in text.splitlines() if line.strip().startswith("rank 0:"))
+    rank1 = next(line for line in text.splitlines() if line.strip().startswith("rank 1:"))
+    assert "in all_reduce at" in rank0 and "deadlock at" in rank0 and "test_launch.py" in rank0
+    assert "in deadlock at" in rank1 and "time.sleep(60)" in rank1
+    assert "did not answer" not in text
+
+
 # --- output -----------------------------------------------------------------------
 
 
