@@ -1,7 +1,9 @@
 """nblaunch: distributed PyTorch training as one call from a notebook cell."""
 from .errors import LaunchError, RankFailure, WorkerError
 from .launcher import notebook_launcher
+from .progress import log, progress
 from .supervisor import LaunchTimeout
 
-__all__ = ["notebook_launcher", "LaunchError", "WorkerError", "LaunchTimeout", "RankFailure"]
+__all__ = ["notebook_launcher", "progress", "log", "LaunchError", "WorkerError", "LaunchTimeout",
+           "RankFailure"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["Started", "Result", "Failure", "Event", "EventSender", "decode"]
+__all__ = ["Started", "Result", "Failure", "Progress", "Metrics", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,28 @@ class Failure:
     phase: str  # "setup", "load", "fn" or "result"
 
 
-Event = Union[Started, Result, Failure]
+@dataclass(frozen=True)
+class Progress:
+    """The latest state of one progress bar of a rank (``key`` tells bars apart)."""
+
+    rank: int
+    key: int
+    desc: str
+    n: int
+    total: Optional[int]
+    closed: bool
+    time: float
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Metric points logged since the last send: ``(step, time, {name: value})``."""
+
+    rank: int
+    points: tuple
+
+
+Event = Union[Started, Result, Failure, Progress, Metrics]
 
 
 class EventSender:
@@ -68,6 +89,6 @@ class EventSender:
 
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure)):
+    if not isinstance(event, (Started, Result, Failure, Progress, Metrics)):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event

@@ -10,6 +10,7 @@ import argparse
 import time
 
 from .launcher import notebook_launcher
+from .progress import log, progress
 
 
 def train(epochs: int = 8, steps_per_epoch: int = 25, batch: int = 64) -> float:
@@ -24,19 +25,22 @@ def train(epochs: int = 8, steps_per_epoch: int = 25, batch: int = 64) -> float:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank sees its own data
     loss = torch.tensor(0.0)
+    step = 0
     for epoch in range(1, epochs + 1):
-        for _ in range(steps_per_epoch):
+        for _ in progress(range(steps_per_epoch), desc=f"epoch {epoch}/{epochs}"):
             x = torch.randn(batch, 16, generator=gen)
             y = x @ true_w + 0.01 * torch.randn(batch, 1, generator=gen)
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
+            step += 1
+            log(step=step, loss=loss.item())
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean /= world
-        bar = "#" * epoch + "." * (epochs - epoch)
-        print(f"epoch {epoch}/{epochs} [{bar}] loss {loss.item():.4f} (mean over ranks {mean.item():.4f})")
+        if rank == 0:
+            print(f"epoch {epoch}/{epochs}: loss {mean.item():.4f} (mean over ranks)")
     return round(loss.item(), 4)
 
 
@@ -46,6 +50,9 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=8)
     opts = parser.parse_args(argv)
     start = time.perf_counter()
+    import nblaunch.display
+
+    nblaunch.display.STATUS_EVERY_S = 1.0  # a short demo: show the status often
     losses = notebook_launcher(train, kwargs={"epochs": opts.epochs}, num_processes=opts.num_processes)
     print(f"final loss per rank: {losses}  ({time.perf_counter() - start:.1f} s)")
 

@@ -1,56 +1,314 @@
 """Rendering a launch for the person watching it.
 
 The supervisor calls a display from the cell's own thread (the one running
-``notebook_launcher``), so ipykernel routes everything it prints to that cell
-on every ipykernel version, with no parent-header juggling in other threads.
+``notebook_launcher``), so ipykernel routes everything to that cell on every
+ipykernel version, with no parent-header juggling in other threads.
 
-``TextDisplay`` prints each rank's output as whole lines tagged by rank.
-Lines are batched and written at most ``max_rate`` times a second so a rank
-that floods cannot flood the notebook's message channel.
+Both renderers read the same :class:`LaunchState`: ``TextDisplay`` prints
+tagged whole lines plus a periodic status line; ``WidgetDisplay`` draws an
+ipywidgets view (header, one row per rank, a loss chart, a log tail). Each
+redraws at most ``MAX_RATE`` times a second however much arrives, and the
+text path shows at most ``MAX_LINES_PER_S`` lines a second (the rest are in
+the rank's log file), so a flooding rank cannot trip Jupyter's IOPub limit.
 """
 from __future__ import annotations
 
+import collections
+import html
 import sys
 import time
-from typing import TextIO
+from dataclasses import dataclass, field
+from typing import Optional, TextIO
 
-__all__ = ["TextDisplay"]
+__all__ = ["LaunchState", "TextDisplay", "WidgetDisplay", "make_display"]
+
+MAX_RATE = 10.0
+MAX_LINES_PER_S = 1000
+STATUS_EVERY_S = 10.0
+MAX_POINTS = 2000
+LOG_TAIL = 40
+AGGREGATE_ABOVE = 16
+
+
+@dataclass
+class RankState:
+    status: str = "starting"
+    desc: str = ""
+    n: int = 0
+    total: Optional[int] = None
+    first_seen: Optional[tuple[float, int]] = None  # (time, n) of its first progress report
+    last_change: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+    def rate(self, now: float) -> Optional[float]:
+        """Items per second from the first report to the latest change."""
+        if self.first_seen is None or self.last_change <= self.first_seen[0]:
+            return None
+        return (self.n - self.first_seen[1]) / (self.last_change - self.first_seen[0])
+
+    def line(self, rank: int, now: float) -> str:
+        parts = [f"rank {rank} {self.status}"]
+        if self.total or self.n:
+            label = f"{self.desc} " if self.desc else ""
+            parts.append(f"{label}{self.n}/{self.total}" if self.total else f"{label}{self.n}")
+            rate = self.rate(now)
+            if rate:
+                parts.append(f"{rate:.1f} it/s")
+                if self.total and self.n < self.total:
+                    parts.append(f"ETA {(self.total - self.n) / rate:.0f} s")
+        parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
+        return " ".join(parts)
+
+
+class LaunchState:
+    """Everything the view shows, fed by the supervisor's events."""
+
+    def __init__(self):
+        self.state = "starting"
+        self.world_size = 0
+        self.method = self.backend = ""
+        self.log_dir = ""
+        self.t0 = time.monotonic()
+        self.ranks: list[RankState] = []
+        self.series: dict[str, dict[int, list]] = collections.defaultdict(dict)
+        self.tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
+        self.notices: list[str] = []
+        self.changed = True
+
+    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
+        self.world_size, self.method, self.backend, self.log_dir = world_size, method, backend, log_dir
+        self.ranks = [RankState() for _ in range(world_size)]
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def set_rank(self, rank: int, status: str) -> None:
+        self.ranks[rank].status = status
+        if status == "running" and self.state == "starting":
+            self.state = "running"
+        self.changed = True
+
+    def progress(self, event) -> None:
+        r = self.ranks[event.rank]
+        now = time.monotonic()
+        if r.first_seen is None or event.desc != r.desc:
+            r.first_seen = (now, event.n)
+        if event.n != r.n or event.total != r.total:
+            r.last_change = now
+        r.desc, r.n, r.total = event.desc, event.n, event.total
+        self.changed = True
+
+    def metrics(self, event) -> None:
+        r = self.ranks[event.rank]
+        for step, _, values in event.points:
+            r.metrics.update(values)
+            for name, value in values.items():
+                points = self.series[name].setdefault(event.rank, [])
+                points.append((step, value))
+                if len(points) > MAX_POINTS:  # keep the curve, halve its resolution
+                    del points[::2]
+        self.changed = True
+
+    def summary(self) -> str:
+        now = time.monotonic()
+        return " | ".join(r.line(i, now) for i, r in enumerate(self.ranks))
+
+    @property
+    def has_progress(self) -> bool:
+        return any(r.total or r.n or r.metrics for r in self.ranks)
 
 
 class TextDisplay:
-    """Plain text: ``[rank N] line`` for every line a rank prints."""
+    """Plain text: ``[rank N] line`` per line, a status line now and then,
+    and a final summary. ``show_status=False`` prints rank output only."""
 
-    def __init__(self, stream: TextIO | None = None, max_rate: float = 10.0):
+    def __init__(self, stream: Optional[TextIO] = None, show_status: bool = True):
+        self.state = LaunchState()
         self._stream = stream
+        self._show_status = show_status
         self._pending: list[str] = []
-        self._interval = 1.0 / max_rate
+        self._hidden: collections.Counter = collections.Counter()
+        self._window = (0.0, 0)  # (start, lines shown) of the current one-second window
         self._last_write = 0.0
+        self._last_status = time.monotonic()
 
     @property
     def stream(self) -> TextIO:
         return self._stream or sys.stdout  # looked up late: the cell's stream
 
+    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
+        self.state.begin(world_size, method, backend, log_dir)
+
     def rank_lines(self, rank: int, lines: list[str]) -> None:
-        prefix = f"[rank {rank}] "
-        self._pending.extend(prefix + line + "\n" for line in lines)
+        self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
+        now = time.monotonic()
+        start, count = self._window if now - self._window[0] < 1.0 else (now, 0)
+        room = max(0, MAX_LINES_PER_S - count)
+        shown, hidden = lines[:room], lines[room:]
+        self._window = (start, count + len(shown))
+        self._pending.extend(f"[rank {rank}] {line}\n" for line in shown)
+        self._hidden[rank] += len(hidden)
 
     def notice(self, text: str) -> None:
+        self.state.notices.append(text)
         self._pending.append(f"[nblaunch] {text}\n")
         self.flush()
 
     def tick(self, force: bool = False) -> None:
-        """Write what is pending if the rate limit allows (or ``force``)."""
-        if self._pending and (force or time.monotonic() - self._last_write >= self._interval):
+        now = time.monotonic()
+        if self._show_status and self.state.has_progress and now - self._last_status >= STATUS_EVERY_S:
+            self._last_status = now
+            self._pending.append(f"[nblaunch] {self.state.elapsed():.0f} s | {self.state.summary()}\n")
+        if (self._pending or self._hidden) and (force or now - self._last_write >= 1.0 / MAX_RATE):
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
-            return
-        text, self._pending = "".join(self._pending), []
-        self.stream.write(text)
-        self.stream.flush()
+        for rank, count in sorted(self._hidden.items()):
+            if count:
+                self._pending.append(f"[nblaunch] rank {rank}: {count} more lines not shown here; "
+                                     f"all are in {self.state.log_dir}/rank{rank}.log\n")
+        self._hidden.clear()
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self.stream.write(text)
+            self.stream.flush()
         self._last_write = time.monotonic()
 
-    def close(self) -> None:
+    def close(self, state: str) -> None:
+        self.state.state = state
+        if self._show_status and self.state.has_progress:
+            self._pending.append(f"[nblaunch] {state} in {self.state.elapsed():.1f} s | {self.state.summary()}\n")
         self.flush()
 
+
+class WidgetDisplay(TextDisplay):
+    """An ipywidgets view in the cell; rank output goes to its log pane."""
+
+    def __init__(self):
+        super().__init__(show_status=False)
+        import ipywidgets as w
+        from IPython.display import display
+
+        self._w = w
+        self.header = w.HTML()
+        self.rows = w.VBox()
+        self.chart = w.HTML()
+        self.log = w.HTML()
+        self.box = w.VBox([self.header, self.rows, self.chart, self.log])
+        self._bars: list = []
+        self._labels: list = []
+        self._last_draw = 0.0
+        display(self.box)
+
+    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
+        super().begin(world_size, method, backend, log_dir)
+        w = self._w
+        shown = world_size if world_size <= AGGREGATE_ABOVE else 0
+        self._bars = [w.IntProgress(min=0, max=1, value=0, layout=w.Layout(width="40%")) for _ in range(shown)]
+        self._labels = [w.HTML() for _ in range(shown)]
+        rows = [w.HBox([w.HTML(f"<code>rank {i}</code>"), bar, label])
+                for i, (bar, label) in enumerate(zip(self._bars, self._labels))]
+        if world_size > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
+            self._aggregate = w.IntProgress(min=0, max=1000, layout=w.Layout(width="60%"))
+            self._detail = w.HTML()
+            more = w.Accordion(children=[self._detail], titles=("per-rank detail",))
+            more.selected_index = None
+            rows = [w.HBox([w.HTML("<code>all ranks</code>"), self._aggregate]), more]
+        self.rows.children = rows
+        self._draw()
+
+    def rank_lines(self, rank: int, lines: list[str]) -> None:
+        self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
+        self.state.changed = True
+
+    def notice(self, text: str) -> None:
+        self.state.notices.append(text)
+        self.state.changed = True
+        self._draw()
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_draw >= 1.0 / MAX_RATE:
+            self._draw()
+
+    def close(self, state: str) -> None:
+        self.state.state = state
+        self.state.changed = True
+        self._draw()
+
+    def _draw(self) -> None:
+        self._last_draw = time.monotonic()
+        st = self.state
+        color = {"failed": "#c62828", "interrupted": "#ef6c00", "finished": "#2e7d32"}.get(st.state, "#1565c0")
+        self.header.value = (
+            f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.world_size} ranks, "
+            f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
+            + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
+        if not st.changed:
+            return
+        st.changed = False
+        now = time.monotonic()
+        for i, (bar, label) in enumerate(zip(self._bars, self._labels)):
+            r = st.ranks[i]
+            bar.max = max(1, r.total or r.n or 1)
+            bar.value = min(r.n, bar.max)
+            bar.bar_style = {"failed": "danger", "finished": "success"}.get(r.status, "")
+            label.value = f"<code>{html.escape(r.line(i, now))}</code>"
+        if st.world_size > AGGREGATE_ABOVE and st.ranks:
+            fracs = [min(1.0, r.n / r.total) if r.total else 0.0 for r in st.ranks]
+            self._aggregate.value = int(1000 * sum(fracs) / len(fracs))
+            self._detail.value = "<pre>" + html.escape("\n".join(r.line(i, now) for i, r in enumerate(st.ranks))) + "</pre>"
+        self.chart.value = "".join(_svg_chart(name, series) for name, series in list(st.series.items())[:3])
+        self.log.value = ("<pre style='max-height:14em;overflow:auto;font-size:85%'>"
+                          + html.escape("\n".join(st.tail)) + "</pre>"
+                          + f"<small>full output: <code>{html.escape(st.log_dir)}</code></small>")
+
+
+_PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]
+
+
+def _svg_chart(name: str, series: dict[int, list], width: int = 360, height: int = 140) -> str:
+    """A line per rank, drawn as inline SVG (no plotting library, no custom JS)."""
+    points = [p for pts in series.values() for p in pts]
+    if not points:
+        return ""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = (width - 50) / ((x1 - x0) or 1)
+    sy = (height - 30) / ((y1 - y0) or 1)
+    lines = []
+    for rank, pts in sorted(series.items()):
+        path = " ".join(f"{40 + (x - x0) * sx:.1f},{height - 20 - (y - y0) * sy:.1f}" for x, y in pts)
+        lines.append(f"<polyline fill='none' stroke='{_PALETTE[rank % len(_PALETTE)]}' "
+                     f"stroke-width='1.5' points='{path}'><title>rank {rank}</title></polyline>")
+    return (f"<svg class='nblaunch-chart' width='{width}' height='{height}' "
+            f"style='display:inline-block;margin-right:1em'>"
+            f"<text x='40' y='12' font-size='12'>{html.escape(name)} (rank lines)</text>"
+            f"<text x='2' y='{height - 20}' font-size='10'>{y0:.3g}</text>"
+            f"<text x='2' y='24' font-size='10'>{y1:.3g}</text>"
+            f"<text x='40' y='{height - 4}' font-size='10'>step {x0}</text>"
+            f"<text x='{width - 60}' y='{height - 4}' font-size='10'>{x1}</text>"
+            + "".join(lines) + "</svg>")
+
+
+def make_display(kind: str):
+    """``"auto"``: widgets in a kernel with ipywidgets, else text."""
+    if kind == "auto":
+        kind = "widget" if _in_kernel() and _has_widgets() else "text"
+    if kind == "widget":
+        return WidgetDisplay()
+    return TextDisplay(show_status=(kind == "text"))
+
+
+def _in_kernel() -> bool:
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _has_widgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -12,16 +12,17 @@ from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
 from . import worker
-from .display import TextDisplay
+from .display import make_display
 from .errors import LaunchError
 from .logs import new_launch_dir
 from .payload import CloudJob, check_sendable
-from .supervisor import Supervisor
+from .supervisor import LaunchTimeout, Supervisor
 
 __all__ = ["notebook_launcher", "choose_start_method", "default_threads"]
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
+DISPLAYS = ("auto", "widget", "text", "none")
 MAX_PROCESSES = 256
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 
@@ -38,6 +39,8 @@ def notebook_launcher(
     master_addr: str = "127.0.0.1",
     threads_per_rank: Optional[int] = None,
     timeout: Optional[float] = None,
+    display: str = "auto",
+    stall_warning: Optional[float] = 60.0,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -54,18 +57,24 @@ def notebook_launcher(
     ``threads_per_rank`` (intra-op threads) defaults to
     ``cpu_count // num_processes``, at least 1 and never more than the kernel's
     own ``torch.get_num_threads()``. ``timeout`` (seconds) stops the launch and
-    raises :class:`nblaunch.LaunchTimeout` when it runs longer.
+    raises :class:`nblaunch.LaunchTimeout` when it runs longer, showing where
+    each rank was. ``display``: ``"auto"`` (a live widget view in a kernel,
+    text elsewhere), ``"widget"``, ``"text"`` or ``"none"`` (rank output
+    only). ``stall_warning``: seconds without progress on one rank, while
+    others progress, before the view says so (None: never).
     """
     args, kwargs = _validate(fn, args, kwargs, num_processes, start_method, backend,
                              init_process_group, master_addr, threads_per_rank, timeout)
+    if display not in DISPLAYS:
+        raise ValueError(f"display must be one of {DISPLAYS}, got {display!r}")
+    if stall_warning is not None and (isinstance(stall_warning, bool) or not isinstance(stall_warning, Real)
+                                      or not stall_warning > 0):
+        raise ValueError(f"stall_warning must be a positive number of seconds or None, got {stall_warning!r}")
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
             "launch; nested launches are not supported. Call it from the notebook instead.")
     method, reason = choose_start_method(start_method)
-    display = TextDisplay()
-    if reason:
-        display.notice(reason)
     resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
     threads = threads_per_rank or default_threads(num_processes)
     if method == "fork":
@@ -97,12 +106,26 @@ def notebook_launcher(
         return port
 
     ctx = multiprocessing.get_context(method)
-    supervisor = Supervisor(ctx, specs, job, display, log_dir, rendezvous, timeout=timeout)
+    view = make_display(display)
+    view.begin(num_processes, method, resolved_backend or "", str(log_dir))
+    if reason:
+        view.notice(reason)
+    supervisor = Supervisor(ctx, specs, job, view, log_dir, rendezvous, timeout=timeout,
+                            stall_warning=stall_warning)
     global_method = multiprocessing.get_start_method(allow_none=True)
+    outcome = "failed"
     try:
-        return supervisor.run()
+        results = supervisor.run()
+        outcome = "finished"
+        return results
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
+    except LaunchTimeout:
+        outcome = "timed out"
+        raise
     finally:
-        display.close()
+        view.close(outcome)
         stores.clear()
         if global_method is None:
             # Starting spawn/forkserver processes makes multiprocessing fix

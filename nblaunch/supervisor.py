@@ -20,14 +20,14 @@ import pickle
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
 
 import psutil
 
-from .channel import Failure, Result, Started, decode
+from .channel import Failure, Metrics, Progress, Result, Started, decode
 from .errors import LaunchError, RankFailure, WorkerError
 from .stacks import collect, format_stacks
 from .worker import WorkerSpec, run_worker
@@ -70,10 +70,13 @@ class Supervisor:
     """One launch: ``run()`` returns the per-rank results or raises."""
 
     def __init__(self, ctx, specs: list[WorkerSpec], job: Any, display, log_dir: Path,
-                 rendezvous: Callable[[], int], timeout: Optional[float] = None):
+                 rendezvous: Callable[[], int], timeout: Optional[float] = None,
+                 stall_warning: Optional[float] = None):
         self._ctx = ctx
         self._display = display
         self._rendezvous = rendezvous
+        self._stall_warning = stall_warning
+        self._stalled: set[int] = set()
         self._log_dir = log_dir
         self._timeout = timeout
         self._stop_deadline: Optional[float] = None
@@ -176,6 +179,7 @@ class Supervisor:
                 raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; "
                                     f"where each rank was (innermost frame first):\n{self._where()}\n"
                                     f"The ranks were stopped. Full output: {self._log_dir}")
+            self._check_stalls(now)
             self._display.tick()
 
     def _read_output(self, r: _Rank) -> None:
@@ -215,13 +219,20 @@ class Supervisor:
             except (EOFError, OSError):
                 r.events_open = False
                 return
-            if isinstance(event, Result):
+            state = self._display.state
+            if isinstance(event, Progress):
+                state.progress(event)
+            elif isinstance(event, Metrics):
+                state.metrics(event)
+            elif isinstance(event, Result):
                 r.result = event.payload
+                state.set_rank(r.rank, "finished")
             elif isinstance(event, Failure):
                 r.failure = _failure_from_event(event)
+                state.set_rank(r.rank, "failed")
                 self._begin_stop()
             elif isinstance(event, Started):
-                pass
+                state.set_rank(r.rank, "running")
 
     def _on_exit(self, r: _Rank) -> None:
         r.proc.join()
@@ -232,10 +243,10 @@ class Supervisor:
         code = r.proc.exitcode
         if r.failure is None and r.result is _NO_RESULT:
             r.failure = self._death(r, code)
-        elif r.failure is not None and r.failure.exitcode is None:
-            r.failure = replace(r.failure, exitcode=code)
-        if r.failure is not None and r.failure.kind != "stopped":
-            self._begin_stop()
+        if r.failure is not None:
+            self._display.state.set_rank(r.rank, "stopped" if r.failure.kind == "stopped" else "failed")
+            if r.failure.kind != "stopped":
+                self._begin_stop()
 
     def _death(self, r: _Rank, code: int) -> RankFailure:
         tail = tuple(r.tail)
@@ -246,6 +257,24 @@ class Supervisor:
         if code < 0:
             return RankFailure(r.rank, "signal", now, exitcode=code, signal=-code, last_lines=tail)
         return RankFailure(r.rank, "exit", now, exitcode=code, last_lines=tail)
+
+    def _check_stalls(self, now: float) -> None:
+        """Warn once when a rank's progress stands still while others move."""
+        if not self._stall_warning:
+            return
+        ranks = self._display.state.ranks
+        moving = [i for i, r in enumerate(ranks) if r.last_change and now - r.last_change < self._stall_warning]
+        for i, r in enumerate(ranks):
+            if r.last_change and now - r.last_change >= self._stall_warning and r.status == "running":
+                if moving and i not in self._stalled:
+                    self._stalled.add(i)
+                    step = f"{r.n}/{r.total}" if r.total else str(r.n)
+                    self._display.notice(
+                        f"rank {i} has made no progress for {now - r.last_change:.0f} s "
+                        f"(last at {r.desc + ' ' if r.desc else ''}{step}) while ranks "
+                        f"{', '.join(map(str, moving))} moved on")
+            else:
+                self._stalled.discard(i)
 
     def _where(self) -> str:
         """Each live rank's main-thread stack, innermost frames first."""
@@ -330,7 +359,7 @@ def _failure_from_event(event: Failure) -> RankFailure:
             exception = None
     return RankFailure(event.rank, "exception", event.time, exc_type=event.exc_type,
                        message=event.message, remote_traceback=event.traceback,
-                       exception=exception)
+                       exception=exception, exitcode=1)  # the worker's exit code after a report
 
 
 def _signal_tree(pid: int, sig: int) -> None:

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from . import stacks
+from . import progress, stacks
 from .channel import EventSender, Failure, Result, Started
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.2
+_LINGER_AFTER_FAILURE_S = 2.0
 
 _current: Optional["WorkerSpec"] = None
 
@@ -68,6 +69,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)
+    progress._start(sender, spec.rank)
     _current = spec
     phase = "setup"
     made_group = False
@@ -89,9 +91,19 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                 raise
             value = None
         phase = "result"
-        sender.send(Result(spec.rank, _dump_result(spec.rank, value)))
+        payload = _dump_result(spec.rank, value)
+        progress._finish()
+        sender.send(Result(spec.rank, payload))
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
+        try:
+            progress._finish()
+        except Exception:
+            pass
         _report(sender, spec.rank, phase, exc)
+        # Stay up until the kernel stops every rank: exiting now would close
+        # our sockets and hand the peers a "Connection closed by peer" error
+        # of their own before the kernel has stopped them.
+        time.sleep(_LINGER_AFTER_FAILURE_S)
         _leave(1)
     if made_group:
         _destroy_group()

@@ -33,7 +33,7 @@ def test_earlier_openmp_cell_does_not_hang_the_ranks(kernel):
         "    import torch\n"
         "    x = torch.randn(10_000_000)\n"
         "    return [round(float((x * 0 + 1).sum())), torch.get_num_threads()]\n"
-        "print('RESULT', notebook_launcher(work, num_processes=2, threads_per_rank=2))\n",
+        "print('RESULT', notebook_launcher(work, display='text', num_processes=2, threads_per_rank=2))\n",
         timeout=120,
     )
     assert r.error is None, r.error
@@ -47,7 +47,7 @@ def test_output_lines_and_results_reach_the_cell(kernel):
         "def hello(greeting):\n"
         "    print(greeting, os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
         "    return int(os.environ['RANK']) * 100\n"
-        "out = notebook_launcher(hello, args=('hi from',), num_processes=2)\n"
+        "out = notebook_launcher(hello, args=('hi from',), display='text', num_processes=2)\n"
         "print('RESULT', out)\n"
     )
     assert r.error is None, r.error
@@ -65,7 +65,7 @@ def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel):
         "        time.sleep(0.2)\n"
         "        raise KeyError('missing column')\n"
         "    dist.all_reduce(torch.ones(1))\n"
-        "notebook_launcher(train, num_processes=2)\n"
+        "notebook_launcher(train, display='text', num_processes=2)\n"
     )
     assert r.error is not None
     assert r.error["ename"] == "WorkerError"
@@ -73,7 +73,7 @@ def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel):
     assert shown.startswith("WorkerError: rank 1 raised KeyError: 'missing column'")
     assert "raise KeyError('missing column')" in shown and "in train" in shown
     assert "supervisor.py" not in shown  # the rank's traceback, not our internals
-    r = kernel.execute("try:\n    notebook_launcher(train, num_processes=2)\n"
+    r = kernel.execute("try:\n    notebook_launcher(train, display='text', num_processes=2)\n"
                        "except KeyError as e:\n    print('never')\n"
                        "except Exception as e:\n    print('CAUSE', type(e.__cause__).__name__)\n")
     assert "CAUSE KeyError" in r.stdout
@@ -89,7 +89,7 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
         "        dist.all_reduce(torch.ones(1))  # blocked in C: only SIGKILL ends it\n"
         "    time.sleep(600)\n"
     )
-    msg_id = kernel.execute_async("notebook_launcher(stuck, num_processes=2)")
+    msg_id = kernel.execute_async("notebook_launcher(stuck, display='text', num_processes=2)")
     seen = ""
     while len(re.findall(r"ready (\d+)", seen)) < 2:
         seen += kernel.wait_for_output("ready", timeout=60)
@@ -105,7 +105,7 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
     assert re.search(r"rank 1: in stuck at .*\| time\.sleep\(600\)", reply.stdout), reply.stdout
     assert time.monotonic() - t0 < 10
     assert kernel_ranks(kernel) == []
-    r = kernel.execute("print('AGAIN', notebook_launcher(lambda: 7, num_processes=2))")
+    r = kernel.execute("print('AGAIN', notebook_launcher(lambda: 7, display='text', num_processes=2))")
     assert r.error is None and "AGAIN [7, 7]" in r.stdout
 
 
@@ -118,7 +118,7 @@ def test_killed_kernel_leaves_no_orphan_ranks():
             "def wait():\n"
             "    print('ready', os.getpid(), flush=True)\n"
             "    time.sleep(600)\n"
-            "notebook_launcher(wait, num_processes=3)\n"
+            "notebook_launcher(wait, display='text', num_processes=3)\n"
         )
         seen = ""
         while len(re.findall(r"ready (\d+)", seen)) < 3:
@@ -140,7 +140,7 @@ def test_two_kernels_launching_at_once_never_collide():
             "    t = torch.ones(1)\n"
             "    dist.all_reduce(t)\n"
             "    return int(t.item())\n"
-            "ok = sum(notebook_launcher(job, num_processes=2) == [2, 2] for _ in range(20))\n"
+            "ok = sum(notebook_launcher(job, display='text', num_processes=2) == [2, 2] for _ in range(20))\n"
             "print('OK', ok)\n"
         )
         for k in kernels:

@@ -49,9 +49,9 @@ def job(point, add):
 def test_cell_defined_code_runs_the_same_under_every_start_method(kernel, method):
     assert kernel.execute(NOTEBOOK_CODE).error is None
     r = kernel.execute(
-        f"out = notebook_launcher(job, args=(Point(2), make_adder(10)), num_processes=2, start_method={method!r})\n"
+        f"out = notebook_launcher(job, args=(Point(2), make_adder(10)), display='text', num_processes=2, start_method={method!r})\n"
         "print('RESULT', out)\n"
-        "print('LAMBDA', notebook_launcher(lambda: SCALE * 2, num_processes=2, start_method="
+        "print('LAMBDA', notebook_launcher(lambda: SCALE * 2, display='text', num_processes=2, start_method="
         f"{method!r}))\n")
     assert r.error is None, r.error
     assert "RESULT [[0, 3, 2.828, 10, 'Point'], [1, 3, 2.828, 11, 'Point']]" in r.stdout
@@ -71,7 +71,7 @@ def test_rank_output_reaches_the_cell_when_ipykernel_disables_fd_capture(method)
             "    print('stdout of', os.environ['RANK'])\n"
             "    os.write(1, b'raw fd 1 of ' + os.environ['RANK'].encode() + b'\\n')\n"
             "    print('stderr of', os.environ['RANK'], file=sys.stderr)\n"
-            f"notebook_launcher(say, num_processes=2, start_method={method!r})\n")
+            f"notebook_launcher(say, display='text', num_processes=2, start_method={method!r})\n")
         assert r.error is None, r.error
         for rank in (0, 1):
             for text in (f"stdout of {rank}", f"raw fd 1 of {rank}", f"stderr of {rank}"):
@@ -86,11 +86,11 @@ def test_auto_avoids_fork_when_cuda_is_initialised(kernel):
     r = kernel.execute(
         "import torch\nfrom nblaunch import notebook_launcher\n"
         "torch.cuda.is_initialized = lambda: True\n"
-        "print('RESULT', notebook_launcher(lambda: 5, num_processes=2))\n")
+        "print('RESULT', notebook_launcher(lambda: 5, display='text', num_processes=2))\n")
     assert r.error is None, r.error
     assert "[nblaunch] CUDA is initialised in this kernel; starting ranks with forkserver" in r.stdout
     assert "RESULT [5, 5]" in r.stdout
-    r = kernel.execute("notebook_launcher(lambda: 5, num_processes=2, start_method='fork')")
+    r = kernel.execute("notebook_launcher(lambda: 5, display='text', num_processes=2, start_method='fork')")
     assert r.error is not None and r.error["ename"] == "ValueError"
     assert "CUDA is initialised in this kernel" in r.error["evalue"]
     assert "start_method='auto'" in r.error["evalue"]
@@ -104,7 +104,7 @@ def test_a_big_tensor_reaches_ranks_through_shared_memory(kernel):
         "def touch(t):\n"
         "    total = big.sum().item() + t.sum().item()   # every page read\n"
         "    return total, psutil.Process().memory_full_info().uss\n"
-        "out = notebook_launcher(touch, args=(big,), num_processes=4, start_method='forkserver')\n"
+        "out = notebook_launcher(touch, args=(big,), display='text', num_processes=4, start_method='forkserver')\n"
         "print('TOTALS', sorted({t for t, _ in out}))\n"
         "print('USS_MB', sum(u for _, u in out) // 2**20)\n", timeout=240)
     assert r.error is None, r.error
@@ -114,7 +114,7 @@ def test_a_big_tensor_reaches_ranks_through_shared_memory(kernel):
     assert set(os.listdir("/dev/shm")) <= shm_before
     r = kernel.execute(
         "def fail(t):\n    raise RuntimeError('after mapping')\n"
-        "try:\n    notebook_launcher(fail, args=(big,), num_processes=2, start_method='forkserver')\n"
+        "try:\n    notebook_launcher(fail, args=(big,), display='text', num_processes=2, start_method='forkserver')\n"
         "except Exception as e:\n    print('FAILED', type(e).__name__)\n")
     assert "FAILED WorkerError" in r.stdout
     assert set(os.listdir("/dev/shm")) <= shm_before
@@ -134,9 +134,9 @@ def test_unpicklable_input_is_named_before_any_rank_starts(method):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     start = time.monotonic()
     with pytest.raises(TypeError, match=re.escape("args[0].lock: cannot pickle '_thread.lock' object")):
-        notebook_launcher(lambda h: 1, args=(Holder(),), num_processes=2, start_method=method)
+        notebook_launcher(lambda h: 1, args=(Holder(),), display='text', num_processes=2, start_method=method)
     with pytest.raises(TypeError, match=r"captured by fn as `lock`"):
-        notebook_launcher(lambda: lock.locked(), num_processes=2, start_method=method)
+        notebook_launcher(lambda: lock.locked(), display='text', num_processes=2, start_method=method)
     assert time.monotonic() - start < 1.0
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
@@ -149,13 +149,13 @@ def test_interrupt_and_orphans_under_non_fork_methods(method):
             "from nblaunch import notebook_launcher\nimport os, time\n"
             "def wait():\n    print('ready', os.getpid(), flush=True)\n    time.sleep(600)\n")
         k.execute(code)
-        msg_id = k.execute_async(f"notebook_launcher(wait, num_processes=2, start_method={method!r})")
+        msg_id = k.execute_async(f"notebook_launcher(wait, display='text', num_processes=2, start_method={method!r})")
         pids = _ready_pids(k, 2)
         k.km.interrupt_kernel()
         reply = k.wait_for_reply(msg_id, timeout=30)
         assert reply.error is not None and reply.error["ename"] == "KeyboardInterrupt"
         assert wait_gone(pids, timeout=1.0) == []
-        k.execute_async(f"notebook_launcher(wait, num_processes=2, start_method={method!r})")
+        k.execute_async(f"notebook_launcher(wait, display='text', num_processes=2, start_method={method!r})")
         pids = _ready_pids(k, 2)
         helpers = [p.pid for p in psutil.Process(k.pid).children(recursive=True) if p.pid not in pids]
         os.kill(k.pid, signal.SIGKILL)

@@ -1,0 +1,127 @@
+"""The live view: progress()/log() in ranks, the widget view in a real kernel,
+the text fallback, stall warnings, and a flooding rank."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from nblaunch import log, notebook_launcher, progress
+
+pytestmark = pytest.mark.timeout(300)
+
+TRAIN = """
+from nblaunch import notebook_launcher, progress, log
+def train(steps):
+    import torch.distributed as dist
+    for i in progress(range(steps), desc="train"):
+        log(loss=1.0 / (i + 1), lr=0.1)
+    return dist.get_rank()
+"""
+
+
+def test_widget_view_shows_every_rank_finished_with_metrics(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(TRAIN),
+                nbformat.v4.new_code_cell("out = notebook_launcher(train, args=(40,), num_processes=2)"),
+                nbformat.v4.new_code_cell("print(out)")]
+    NotebookClient(nb, kernel_name="python3", timeout=180, store_widget_state=True).execute()
+    launch = nb.cells[1].outputs
+    views = [o for o in launch if o.get("output_type") == "display_data"
+             and "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 1, launch  # one display per launch, nothing printed beside it
+    assert not [o for o in launch if o.get("output_type") == "stream"]
+    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    bars = [m["state"] for m in state.values() if m["model_name"] == "IntProgressModel"]
+    assert len(bars) == 2 and all(b["value"] == b["max"] == 40 for b in bars)
+    assert all(b.get("bar_style") == "success" for b in bars)
+    html = " ".join(str(m["state"].get("value", "")) for m in state.values() if m["model_name"] == "HTMLModel")
+    assert "nblaunch: finished" in html
+    assert "rank 0 finished train 40/40" in html and "rank 1 finished train 40/40" in html
+    assert "loss=0.025" in html and "lr=0.1" in html
+    assert "<svg class='nblaunch-chart'" in html and "<polyline" in html  # the loss curve
+    assert "[0, 1]" in nb.cells[2].outputs[0]["text"]
+
+
+def test_text_fallback_outside_a_kernel_prints_status_and_summary(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN + textwrap.dedent("""
+        if __name__ == "__main__":
+            print("RESULT", notebook_launcher(train, args=(25,), num_processes=2))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = [line for line in out.stdout.splitlines() if line.startswith("[nblaunch] finished in")]
+    assert len(summary) == 1
+    assert "rank 0 finished train 25/25" in summary[0] and "rank 1 finished train 25/25" in summary[0]
+    assert "loss=0.04" in summary[0]
+    assert "RESULT [0, 1]" in out.stdout
+
+
+def test_progress_and_log_work_outside_a_launch(capsys):
+    items = list(progress(range(5), desc="local"))
+    log(loss=1.0)  # a no-op, not an error
+    with progress(total=3) as bar:
+        bar.update(3)
+    assert items == [0, 1, 2, 3, 4]
+    err = capsys.readouterr().err
+    assert "local: [####################] 5/5" in err and "3/3" in err
+
+
+def one_rank_stalls():
+    import torch.distributed as dist
+
+    for _ in progress(range(40), desc="step"):
+        if dist.get_rank() == 1 and _ == 5:
+            time.sleep(4)  # stuck while rank 0 moves on
+        time.sleep(0.1)
+
+
+def test_stall_warning_names_the_stalled_rank_only(capsys):
+    notebook_launcher(one_rank_stalls, num_processes=2, stall_warning=1.5, display="text")
+    notices = [line for line in capsys.readouterr().out.splitlines() if "has made no progress" in line]
+    assert notices, "expected a stall warning"
+    assert all(line.startswith("[nblaunch] rank 1 has made no progress") for line in notices)
+    assert "(last at step 5/40)" in notices[0] and "while ranks 0 moved on" in notices[0]
+
+
+def flood(n):
+    import sys as _sys
+
+    for i in range(n):
+        _sys.stdout.write(f"line {i}\n")
+    return n
+
+
+def test_a_flooding_rank_keeps_the_kernel_calm_and_the_log_complete(tmp_path, monkeypatch):
+    from conftest import Kernel
+
+    k = Kernel(extra_env={"NBLAUNCH_LOG_DIR": str(tmp_path)})
+    try:
+        k.execute("from nblaunch import notebook_launcher\n"
+                  "def flood(n):\n    for i in range(n):\n        print(f'line {i}')\n    return n\n")
+        start = time.monotonic()
+        r = k.execute("print('RESULT', notebook_launcher(flood, args=(200_000,), num_processes=1))",
+                      timeout=240)
+        elapsed = time.monotonic() - start
+        assert r.error is None, r.error
+        assert "RESULT [200000]" in r.stdout
+        updates = [m for m in r.outputs if m["msg_type"] == "comm_msg"]
+        assert len(updates) <= 10 * 5 * (elapsed + 1), (len(updates), elapsed)  # ~10 redraws/s, 5 widgets
+        (launch,) = tmp_path.iterdir()
+        lines = (launch / "rank0.log").read_text().splitlines()
+        assert len(lines) == 200_000 and lines[-1] == "line 199999"
+        # Text mode shows at most ~1000 lines a second and says where the rest are.
+        r = k.execute("notebook_launcher(flood, args=(200_000,), num_processes=1, display='text')",
+                      timeout=240)
+        shown = [line for line in r.stdout.splitlines() if line.startswith("[rank 0] line")]
+        assert 0 < len(shown) < 200_000
+        assert "more lines not shown here; all are in" in r.stdout
+    finally:
+        k.shutdown()
