@@ -7,3 +7,10 @@ from .supervisor import LaunchTimeout
 __all__ = ["notebook_launcher", "progress", "log", "LaunchError", "WorkerError", "LaunchTimeout",
            "RankFailure"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nblaunch``: registers the ``%%nblaunch`` cell magic."""
+    from .magic import load_ipython_extension as load
+
+    load(ipython)

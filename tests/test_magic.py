@@ -1,0 +1,37 @@
+"""The %%nblaunch cell magic in a real kernel, under fork and forkserver."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_cell_magic_runs_the_body_on_every_rank(kernel, method):
+    assert kernel.execute("%load_ext nblaunch\nimport torch\nOFFSET = 10\n"
+                          "def helper(v):\n    return v * 2\n").error is None
+    r = kernel.execute(
+        f"%%nblaunch -n 2 --start-method {method} --display text\n"
+        "import torch.distributed as dist\n"
+        "t = torch.tensor([float(rank + OFFSET)])\n"
+        "dist.all_reduce(t)\n"
+        "print('rank', rank, 'of', world_size)\n"
+        "(rank, helper(int(t.item())))\n")
+    assert r.error is None, r.error
+    results = [o for o in r.outputs if o["msg_type"] == "execute_result"]
+    assert results and results[0]["content"]["data"]["text/plain"] == "[(0, 42), (1, 42)]"
+    assert "[rank 1] rank 1 of 2" in r.stdout
+    r = kernel.execute("print('OUT', _)")  # the list is the cell's value, as with any cell
+    assert "OUT [(0, 42), (1, 42)]" in r.stdout
+
+
+def test_cell_magic_errors_are_those_of_notebook_launcher(kernel):
+    kernel.execute("%load_ext nblaunch")
+    r = kernel.execute("%%nblaunch -n 2 --display text\n"
+                       "if rank == 1:\n"
+                       "    raise ValueError(f'bad rank {rank}')\n"
+                       "rank\n")
+    assert r.error is not None and r.error["ename"] == "WorkerError"
+    shown = "\n".join(r.error["traceback"])
+    assert shown.startswith("WorkerError: rank 1 raised ValueError: bad rank 1")
+    assert "raise ValueError(f'bad rank {rank}')" in shown  # the cell's own source line
