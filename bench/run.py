@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -100,7 +101,7 @@ class BenchKernel:
 
     def seconds(self, call: str) -> float:
         print(f"  {call} ...", file=sys.stderr, flush=True)
-        text = self.run(f"print('SECONDS', {call})", timeout=float(__import__("os").environ.get("BENCH_CALL_TIMEOUT", 120)))
+        text = self.run(f"print('SECONDS', {call})", timeout=float(os.environ.get("BENCH_CALL_TIMEOUT", 120)))
         return float(re.findall(r"SECONDS ([0-9.e-]+)", text)[-1])
 
     def close(self):
@@ -110,16 +111,35 @@ class BenchKernel:
 
 def measure(sizes, reps) -> dict:
     kernel = BenchKernel()
+    kernel.run(SETUP)
+    hangs = []
+
+    def timed(name: str, n: int) -> float:
+        """One launch; a competitor that hangs is recorded (NaN) and its
+        kernel replaced, so one hang does not end the benchmark."""
+        nonlocal kernel
+        try:
+            return kernel.seconds(f"launch_{name}({n})")
+        except TimeoutError:
+            if name == "nblaunch":
+                raise
+            hangs.append(f"{name}({n})")
+            print(f"  {name}({n}) hung; restarting the kernel", file=sys.stderr, flush=True)
+            kernel.close()
+            kernel = BenchKernel()
+            kernel.run(SETUP)
+            return float("nan")
+
     try:
-        kernel.run(SETUP)
         times = {name: {n: [] for n in sizes} for name in LAUNCHERS}
         for n in sizes:
             for name in LAUNCHERS:  # warm-up: imports, first process group
-                kernel.seconds(f"launch_{name}({n})")
+                timed(name, n)
             for rep in range(reps):
                 order = LAUNCHERS[rep % 3:] + LAUNCHERS[: rep % 3]
                 for name in order:
-                    times[name][n].append(kernel.seconds(f"launch_{name}({n})"))
+                    times[name][n].append(timed(name, n))
+        times["hangs"] = hangs
         return times
     finally:
         kernel.close()
@@ -150,7 +170,11 @@ def measure_relaunch(reps) -> dict:
 
 
 def summarise(times: dict, sizes) -> dict:
-    med = {name: {n: statistics.median(times[name][n]) for n in sizes} for name in LAUNCHERS}
+    def median(xs):
+        xs = [x for x in xs if x == x]  # without hangs
+        return statistics.median(xs) if xs else float("nan")
+
+    med = {name: {n: median(times[name][n]) for n in sizes} for name in LAUNCHERS}
     ratios = {
         n: {
             "nblaunch/torch_fork": med["nblaunch"][n] / med["torch_fork"][n],
@@ -173,8 +197,6 @@ def versions() -> dict:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 
@@ -221,6 +243,8 @@ def main(argv=None) -> int:
     summary = summarise(times, sizes)
     summary["relaunch_2_ranks"] = measure_relaunch(reps)
     print(table(summary, sizes))
+    if times["hangs"]:
+        print(f"hung (timed out after {os.environ.get('BENCH_CALL_TIMEOUT', 120)} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
     print(f"\nnblaunch, 2 ranks: forkserver cold {rl['cold_forkserver_s']:.3f} s, warm "
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
