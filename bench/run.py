@@ -169,6 +169,52 @@ def measure_relaunch(reps) -> dict:
         kernel.close()
 
 
+FAILURE_SETUP = r'''
+import signal as _signal
+
+def _raise_on_1(stamp_dir):
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        open(f"{stamp_dir}/t", "w").write(repr(time.time()))
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))
+
+def _kill_1(stamp_dir):
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        open(f"{stamp_dir}/t", "w").write(repr(time.time()))
+        os.kill(os.getpid(), _signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+def failure_latency(kind):
+    """Seconds from the failure inside rank 1 to the exception in the cell."""
+    import tempfile
+    from nblaunch import notebook_launcher, WorkerError
+    d = tempfile.mkdtemp()
+    try:
+        notebook_launcher(_raise_on_1 if kind == "raise" else _kill_1, args=(d,), num_processes=2, display="none")
+    except WorkerError:
+        caught = time.time()
+    return caught - float(open(f"{d}/t").read())
+'''
+
+
+def measure_failure(reps) -> dict:
+    """Rank raises / rank SIGKILLed -> the cell raises, in a kernel (nblaunch)."""
+    kernel = BenchKernel()
+    try:
+        kernel.run(SETUP + FAILURE_SETUP)
+        kernel.seconds("launch_nblaunch(2)")  # warm
+        out = {}
+        for kind in ("raise", "sigkill"):
+            out[kind] = statistics.median(kernel.seconds(f"failure_latency({kind!r})") for _ in range(reps))
+        return out
+    finally:
+        kernel.close()
+
+
 def summarise(times: dict, sizes) -> dict:
     def median(xs):
         xs = [x for x in xs if x == x]  # without hangs
@@ -242,12 +288,16 @@ def main(argv=None) -> int:
     times = measure(sizes, reps)
     summary = summarise(times, sizes)
     summary["relaunch_2_ranks"] = measure_relaunch(reps)
+    summary["failure_latency_s"] = measure_failure(reps)
     print(table(summary, sizes))
     if times["hangs"]:
         print(f"hung (timed out after {os.environ.get('BENCH_CALL_TIMEOUT', 120)} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
     print(f"\nnblaunch, 2 ranks: forkserver cold {rl['cold_forkserver_s']:.3f} s, warm "
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
+    fl = summary["failure_latency_s"]
+    print(f"failure -> cell raises (nblaunch, 2 ranks): rank raises {fl['raise']:.3f} s, "
+          f"rank SIGKILLed {fl['sigkill']:.3f} s")
     if not opts.smoke:
         opts.out.mkdir(parents=True, exist_ok=True)
         record = {"versions": versions(), "reps": reps, "raw_s": times, **summary}

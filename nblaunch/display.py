@@ -139,6 +139,9 @@ class TextDisplay:
     def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
         self.state.begin(world_size, method, backend, log_dir)
 
+    def show(self) -> None:
+        """Text has nothing to build."""
+
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
         now = time.monotonic()
@@ -182,40 +185,35 @@ class TextDisplay:
 
 
 class WidgetDisplay(TextDisplay):
-    """An ipywidgets view in the cell; rank output goes to its log pane."""
+    """An ipywidgets view in the cell; rank output goes to its log pane.
 
-    def __init__(self):
+    Four HTML widgets in a VBox, the rank rows drawn as HTML bars: creating
+    widgets costs ~0.5 ms each in the kernel (each brings its own layout and
+    style models), and this view is built on every launch's critical path.
+    """
+
+    def __init__(self, show: bool = True):
         super().__init__(show_status=False)
-        import ipywidgets as w
-        from IPython.display import display
-
-        self._w = w
-        self.header = w.HTML()
-        self.rows = w.VBox()
-        self.chart = w.HTML()
-        self.log = w.HTML()
-        self.box = w.VBox([self.header, self.rows, self.chart, self.log])
-        self._bars: list = []
-        self._labels: list = []
+        self._display_it = show
+        self.box = None
         self._last_draw = 0.0
-        display(self.box)
 
-    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
-        super().begin(world_size, method, backend, log_dir)
-        w = self._w
-        shown = world_size if world_size <= AGGREGATE_ABOVE else 0
-        self._bars = [w.IntProgress(min=0, max=1, value=0, layout=w.Layout(width="40%")) for _ in range(shown)]
-        self._labels = [w.HTML() for _ in range(shown)]
-        rows = [w.HBox([w.HTML(f"<code>rank {i}</code>"), bar, label])
-                for i, (bar, label) in enumerate(zip(self._bars, self._labels))]
-        if world_size > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
-            self._aggregate = w.IntProgress(min=0, max=1000, layout=w.Layout(width="60%"))
-            self._detail = w.HTML()
-            more = w.Accordion(children=[self._detail], titles=("per-rank detail",))
-            more.selected_index = None
-            rows = [w.HBox([w.HTML("<code>all ranks</code>"), self._aggregate]), more]
-        self.rows.children = rows
+    def show(self) -> None:
+        """Build and display the widgets. The supervisor calls this right
+        after the ranks are forked and released: building them costs a few
+        milliseconds that the ranks' own start-up then hides."""
+        if self.box is not None:
+            return
+        import ipywidgets as w
+
+        self.header, self.rows, self.chart, self.log = (w.HTML() for _ in range(4))
+        self.box = w.VBox([self.header, self.rows, self.chart, self.log])
+        self.state.changed = True
         self._draw()
+        if self._display_it:
+            from IPython.display import display
+
+            display(self.box)
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
@@ -233,13 +231,16 @@ class WidgetDisplay(TextDisplay):
 
     def close(self, state: str) -> None:
         self.state.state = state
+        self.show()  # a launch that failed before its ranks started still gets its view
         self.state.changed = True
         self._draw()
 
     def _draw(self) -> None:
+        if self.box is None:
+            return
         self._last_draw = time.monotonic()
         st = self.state
-        color = {"failed": "#c62828", "interrupted": "#ef6c00", "finished": "#2e7d32"}.get(st.state, "#1565c0")
+        color = _STATE_COLOR.get(st.state, "#1565c0")
         self.header.value = (
             f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.world_size} ranks, "
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
@@ -248,20 +249,38 @@ class WidgetDisplay(TextDisplay):
             return
         st.changed = False
         now = time.monotonic()
-        for i, (bar, label) in enumerate(zip(self._bars, self._labels)):
-            r = st.ranks[i]
-            bar.max = max(1, r.total or r.n or 1)
-            bar.value = min(r.n, bar.max)
-            bar.bar_style = {"failed": "danger", "finished": "success"}.get(r.status, "")
-            label.value = f"<code>{html.escape(r.line(i, now))}</code>"
-        if st.world_size > AGGREGATE_ABOVE and st.ranks:
-            fracs = [min(1.0, r.n / r.total) if r.total else 0.0 for r in st.ranks]
-            self._aggregate.value = int(1000 * sum(fracs) / len(fracs))
-            self._detail.value = "<pre>" + html.escape("\n".join(r.line(i, now) for i, r in enumerate(st.ranks))) + "</pre>"
+        rows = [_bar_row(f"rank {i}", _fraction(r), r.status, r.line(i, now)) for i, r in enumerate(st.ranks)]
+        if st.world_size > AGGREGATE_ABOVE and st.ranks:  # many ranks: one bar, detail on demand
+            mean = sum(_fraction(r) for r in st.ranks) / len(st.ranks)
+            done = sum(r.status == "finished" for r in st.ranks)
+            status = "failed" if any(r.status == "failed" for r in st.ranks) else st.state
+            rows = [_bar_row("all ranks", mean, status, f"{done}/{st.world_size} finished"),
+                    "<details><summary>per-rank detail</summary>" + "".join(rows) + "</details>"]
+        self.rows.value = "<div class='nblaunch-ranks'>" + "".join(rows) + "</div>"
         self.chart.value = "".join(_svg_chart(name, series) for name, series in list(st.series.items())[:3])
         self.log.value = ("<pre style='max-height:14em;overflow:auto;font-size:85%'>"
                           + html.escape("\n".join(st.tail)) + "</pre>"
                           + f"<small>full output: <code>{html.escape(st.log_dir)}</code></small>")
+
+
+_STATE_COLOR = {"failed": "#c62828", "stopped": "#9e9e9e", "interrupted": "#ef6c00",
+                "timed out": "#ef6c00", "finished": "#2e7d32"}
+
+
+def _fraction(r: RankState) -> float:
+    if r.total:
+        return min(1.0, r.n / r.total)
+    return 1.0 if r.status == "finished" else 0.0
+
+
+def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
+    color = _STATE_COLOR.get(status, "#1565c0")
+    return (f"<div class='nblaunch-rank' data-status='{html.escape(status)}' data-fraction='{fraction:.3f}' "
+            f"style='display:flex;align-items:center;gap:8px;margin:2px 0'>"
+            f"<code style='width:6em'>{html.escape(label)}</code>"
+            f"<div style='width:40%;height:12px;background:#eee;border-radius:3px'>"
+            f"<div style='width:{100 * fraction:.1f}%;height:100%;background:{color};border-radius:3px'></div></div>"
+            f"<code>{html.escape(text)}</code></div>")
 
 
 _PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]

@@ -25,6 +25,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
 DISPLAYS = ("auto", "widget", "text", "none")
 MAX_PROCESSES = 256
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
+MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
 
 
 def notebook_launcher(
@@ -87,7 +88,8 @@ def notebook_launcher(
 
     # Collectives give up a little after the launch would: the launch timeout
     # then fires first and shows where every rank is, instead of gloo's error.
-    pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else float(timeout) + max(10.0, 0.1 * float(timeout))
+    pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else min(
+        float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
     log_dir = new_launch_dir()
     specs = [
         worker.WorkerSpec(

@@ -11,7 +11,9 @@ to bytes up front.
 from __future__ import annotations
 
 import io
+import linecache
 import pickle
+import types
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
@@ -21,10 +23,32 @@ import cloudpickle
 __all__ = ["CloudJob", "check_sendable"]
 
 
+def _reduce_code(code: types.CodeType):
+    """cloudpickle's code reducer, keeping the file name and the source lines.
+
+    cloudpickle replaces ``co_filename`` with ``<dynamic-code>``: a rank's
+    traceback would then show no file and no source, and a notebook cell's
+    source exists only in the kernel's linecache. Both travel with the code.
+    """
+    lines = linecache.getlines(code.co_filename)
+    return (_rebuild_code, (cloudpickle_code_reduce(code), code.co_filename, lines))
+
+
+def _rebuild_code(reduced, filename: str, lines: list) -> types.CodeType:
+    rebuild, args = reduced
+    if lines and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return rebuild(*args).replace(co_filename=filename)
+
+
+cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
 class _SharingPickler(cloudpickle.Pickler):
     # torch registers its tensor/storage reducers with ForkingPickler when
     # torch.multiprocessing is imported (torch imports it itself).
-    dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, ForkingPickler._extra_reducers,
+                              cloudpickle.Pickler.dispatch_table)
 
 
 class _DryRunPickler(cloudpickle.Pickler):

@@ -151,6 +151,7 @@ class Supervisor:
             except OSError:
                 pass  # that rank already died; its sentinel will tell
             r.go.close()
+        self._display.show()
 
     # -- watching ----------------------------------------------------------------
 

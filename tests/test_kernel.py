@@ -56,7 +56,8 @@ def test_output_lines_and_results_reach_the_cell(kernel):
     assert "RESULT [0, 100]" in r.stdout
 
 
-def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel):
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel, method):
     r = kernel.execute(
         "from nblaunch import notebook_launcher\n"
         "import torch, torch.distributed as dist, time\n"
@@ -65,7 +66,7 @@ def test_failing_rank_shows_its_own_traceback_in_the_cell(kernel):
         "        time.sleep(0.2)\n"
         "        raise KeyError('missing column')\n"
         "    dist.all_reduce(torch.ones(1))\n"
-        "notebook_launcher(train, display='text', num_processes=2)\n"
+        f"notebook_launcher(train, start_method={method!r}, display='text', num_processes=2)\n"
     )
     assert r.error is not None
     assert r.error["ename"] == "WorkerError"

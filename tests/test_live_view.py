@@ -3,6 +3,7 @@ the text fallback, stall warnings, and a flooding rank."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,10 +39,9 @@ def test_widget_view_shows_every_rank_finished_with_metrics(tmp_path):
     assert len(views) == 1, launch  # one display per launch, nothing printed beside it
     assert not [o for o in launch if o.get("output_type") == "stream"]
     state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
-    bars = [m["state"] for m in state.values() if m["model_name"] == "IntProgressModel"]
-    assert len(bars) == 2 and all(b["value"] == b["max"] == 40 for b in bars)
-    assert all(b.get("bar_style") == "success" for b in bars)
     html = " ".join(str(m["state"].get("value", "")) for m in state.values() if m["model_name"] == "HTMLModel")
+    bars = re.findall(r"class='nblaunch-rank' data-status='(\w+)' data-fraction='([\d.]+)'", html)
+    assert bars == [("finished", "1.000"), ("finished", "1.000")]  # one bar per rank, at 100%
     assert "nblaunch: finished" in html
     assert "rank 0 finished train 40/40" in html and "rank 1 finished train 40/40" in html
     assert "loss=0.025" in html and "lr=0.1" in html
@@ -62,6 +62,22 @@ def test_text_fallback_outside_a_kernel_prints_status_and_summary(tmp_path):
     assert "rank 0 finished train 25/25" in summary[0] and "rank 1 finished train 25/25" in summary[0]
     assert "loss=0.04" in summary[0]
     assert "RESULT [0, 1]" in out.stdout
+
+
+def test_many_ranks_collapse_to_one_bar_with_detail_on_demand():
+    from nblaunch.channel import Progress
+    from nblaunch.display import WidgetDisplay
+
+    view = WidgetDisplay(show=False)  # the drawing, without a kernel to show it in
+    view.begin(20, "fork", "gloo", "/tmp/x")
+    view.show()
+    for rank in range(20):
+        view.state.set_rank(rank, "running")
+        view.state.progress(Progress(rank, 1, "train", 5 if rank else 10, 10, False, 0.0))
+    view._draw()
+    rows = view.rows.value
+    assert rows.count("data-fraction='0.525'") == 1  # the aggregate: mean of 19 x 0.5 and 1 x 1.0
+    assert "<details><summary>per-rank detail</summary>" in rows and rows.count("class='nblaunch-rank'") == 21
 
 
 def test_progress_and_log_work_outside_a_launch(capsys):
