@@ -71,7 +71,8 @@ Event = Union[Started, Result, Failure, Progress, Metrics]
 
 
 class EventSender:
-    """Worker-side end of the event pipe. Thread-safe; ``send`` never drops."""
+    """Worker-side end of the event pipe. Thread-safe (the rank's main thread
+    and its progress reporter both send); ``send`` never drops."""
 
     def __init__(self, conn: Connection):
         self._conn = conn
@@ -81,10 +82,6 @@ class EventSender:
         data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._conn.send_bytes(data)
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
 
 
 def decode(data: bytes) -> Event:
