@@ -92,6 +92,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
             value = None
         phase = "result"
         payload = _dump_result(spec.rank, value)
+        _check_size(spec.rank, value, payload)
         progress._finish()
         sender.send(Result(spec.rank, payload))
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
@@ -231,6 +232,22 @@ def _dump_result(rank: int, value: Any) -> bytes:
             f"the result of rank {rank} (a {type(value).__module__}.{type(value).__qualname__}) "
             f"cannot be pickled: {exc}"
         ) from None
+
+
+def max_result_bytes() -> int:
+    """Largest pickled result a rank may send (``$NBLAUNCH_MAX_RESULT_BYTES``,
+    default 2 GiB): the kernel holds every rank's result in memory at once, so
+    a bigger one fails that rank with a clear error instead of the kernel."""
+    return int(os.environ.get("NBLAUNCH_MAX_RESULT_BYTES", 2 << 30))
+
+
+def _check_size(rank: int, value: Any, payload: bytes) -> None:
+    limit = max_result_bytes()
+    if len(payload) > limit:
+        raise ValueError(
+            f"the result of rank {rank} (a {type(value).__qualname__}) pickles to {len(payload):,} bytes, "
+            f"over the {limit:,}-byte limit (NBLAUNCH_MAX_RESULT_BYTES). Return something smaller, "
+            "or save large outputs to disk and return their paths.")
 
 
 def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> None:

@@ -143,3 +143,81 @@ def test_any_input_gives_a_clear_error_or_a_correct_run(fn, n, args, timeout, me
         assert exc.failures
         return
     assert isinstance(out, list) and len(out) == n
+
+
+def big_result(n):
+    return b"x" * n
+
+
+def test_a_result_over_the_limit_fails_that_rank_clearly(monkeypatch):
+    monkeypatch.setenv("NBLAUNCH_MAX_RESULT_BYTES", "1000000")  # inherited by the ranks
+    assert notebook_launcher(big_result, args=(1000,), num_processes=2) == [b"x" * 1000] * 2
+    with pytest.raises(WorkerError) as info:
+        notebook_launcher(big_result, args=(2_000_000,), num_processes=2)
+    assert "over the 1,000,000-byte limit (NBLAUNCH_MAX_RESULT_BYTES)" in str(info.value)
+    assert info.value.rank in (0, 1)
+
+
+class _Mark:
+    """A pickle whose loading would leave a file behind."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def wait_a_little():
+    time.sleep(1.5)
+    return "done"
+
+
+ATTACKER = """
+import socket, sys, ast
+payload = bytes.fromhex(sys.argv[1])
+for host, port in ast.literal_eval(sys.argv[2]):
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(payload)
+            print(port)
+    except OSError:
+        pass
+"""
+
+
+def test_a_foreign_process_cannot_get_a_pickle_unpickled(tmp_path):
+    import pickle
+    import subprocess
+    import threading
+
+    mark = tmp_path / "unpickled"
+    payload = pickle.dumps(_Mark(str(mark)))
+    sent = []
+
+    def attack():
+        # Everything this process and its ranks listen on during the launch.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not sent:
+            me = psutil.Process()
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    conns = proc.net_connections(kind="inet")
+                except psutil.Error:
+                    continue
+                targets = [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+                if targets:
+                    # Sent by a separate process, as another user's program would.
+                    out = subprocess.run([sys.executable, "-c", ATTACKER, payload.hex(), repr(targets)],
+                                         capture_output=True, text=True, timeout=30)
+                    sent.extend(int(p) for p in out.stdout.split())
+            time.sleep(0.05)
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    try:
+        assert notebook_launcher(wait_a_little, num_processes=2) == ["done", "done"]
+    finally:
+        attacker.join()
+    assert sent, "expected listening sockets to try"
+    assert not mark.exists(), "a foreign pickle was unpickled"

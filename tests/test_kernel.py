@@ -89,6 +89,12 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
         "    if dist.get_rank() == 0:\n"
         "        dist.all_reduce(torch.ones(1))  # blocked in C: only SIGKILL ends it\n"
         "    time.sleep(600)\n"
+        "import sys, signal, multiprocessing\n"
+        "def kernel_state():\n"
+        "    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1, signal.SIGPIPE)\n"
+        "    return (dict(os.environ), list(sys.path), [signal.getsignal(s) for s in sigs],\n"
+        "            multiprocessing.get_start_method(allow_none=True), torch.get_num_threads())\n"
+        "before = kernel_state()\n"
     )
     msg_id = kernel.execute_async("notebook_launcher(stuck, display='text', num_processes=2)")
     seen = ""
@@ -106,6 +112,8 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
     assert re.search(r"rank 1: in stuck at .*\| time\.sleep\(600\)", reply.stdout), reply.stdout
     assert time.monotonic() - t0 < 10
     assert kernel_ranks(kernel) == []
+    r = kernel.execute("print('STATE KEPT', kernel_state() == before)")
+    assert "STATE KEPT True" in r.stdout  # environ, sys.path, signal handlers, start method, threads
     r = kernel.execute("print('AGAIN', notebook_launcher(lambda: 7, display='text', num_processes=2))")
     assert r.error is None and "AGAIN [7, 7]" in r.stdout
 
