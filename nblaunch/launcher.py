@@ -65,12 +65,8 @@ def notebook_launcher(
     others progress, before the view says so (None: never).
     """
     args, kwargs = _validate(fn, args, kwargs, num_processes, start_method, backend,
-                             init_process_group, master_addr, threads_per_rank, timeout)
-    if display not in DISPLAYS:
-        raise ValueError(f"display must be one of {DISPLAYS}, got {display!r}")
-    if stall_warning is not None and (isinstance(stall_warning, bool) or not isinstance(stall_warning, Real)
-                                      or not stall_warning > 0):
-        raise ValueError(f"stall_warning must be a positive number of seconds or None, got {stall_warning!r}")
+                             init_process_group, master_addr, threads_per_rank, timeout,
+                             display, stall_warning)
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
@@ -248,7 +244,7 @@ def _loopback_env(master_addr: str) -> dict:
 
 
 def _validate(fn, args, kwargs, num_processes, start_method, backend, init_process_group,
-              master_addr, threads, timeout):
+              master_addr, threads, timeout, display, stall_warning):
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r:.80}")
     target = fn.func if isinstance(fn, functools.partial) else fn
@@ -282,4 +278,9 @@ def _validate(fn, args, kwargs, num_processes, start_method, backend, init_proce
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)
                                 or not timeout > 0 or timeout != timeout or timeout == float("inf")):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if display not in DISPLAYS:
+        raise ValueError(f"display must be one of {DISPLAYS}, got {display!r}")
+    if stall_warning is not None and (isinstance(stall_warning, bool) or not isinstance(stall_warning, Real)
+                                      or not stall_warning > 0):
+        raise ValueError(f"stall_warning must be a positive number of seconds or None, got {stall_warning!r}")
     return list(args), dict(kwargs)

@@ -63,8 +63,10 @@ def collect(ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
     return dumps
 
 
-def format_stacks(dumps: dict[int, Optional[str]], paths: dict[int, str], depth: int = 3) -> str:
-    """``rank 0: in all_reduce at distributed_c10d.py:2950 <- train at 1234.py:7: dist.all_reduce(t)``"""
+def format_stacks(dumps: dict[int, Optional[str]], ranks: dict[int, tuple[int, str]], depth: int = 3) -> str:
+    """One line per rank of ``ranks`` (the ``rank -> (pid, stack file)`` given
+    to :func:`collect`), e.g.
+    ``rank 0: in all_reduce at distributed_c10d.py:2950 <- train at 1234.py:7   | dist.all_reduce(t)``"""
     lines = []
     for rank in sorted(dumps):
         dump = dumps[rank]
@@ -72,7 +74,7 @@ def format_stacks(dumps: dict[int, Optional[str]], paths: dict[int, str], depth:
             lines.append(f"  rank {rank}: did not answer within {ANSWER_S:g} s (stuck outside Python "
                          "with signals blocked, or already exiting)")
             continue
-        frames = [f for f in _main_thread_frames(dump, _main_ident(paths[rank])) if not _plumbing(f[0], f[2])]
+        frames = [f for f in _main_thread_frames(dump, _main_ident(ranks[rank][1])) if not _plumbing(f[0], f[2])]
         if not frames:
             lines.append(f"  rank {rank}: no Python frames")
             continue

@@ -283,7 +283,7 @@ class Supervisor:
                 if not r.exited and r.proc.pid is not None and r.spec.stack_file}
         if not live:
             return "  (no rank was running)"
-        return format_stacks(collect(live), {rank: path for rank, (_, path) in live.items()})
+        return format_stacks(collect(live), live)
 
     # -- stopping ----------------------------------------------------------------
 
