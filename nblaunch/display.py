@@ -68,6 +68,9 @@ class LaunchState:
         self.world_size = 0
         self.method = self.backend = ""
         self.log_dir = ""
+        self.first_rank = 0  # global rank of this node's local rank 0
+        self.node: Optional[int] = None  # this node, in a multi-node launch
+        self.num_nodes = 1
         self.t0 = time.monotonic()
         self.ranks: list[RankState] = []
         self.series: dict[str, dict[int, list]] = collections.defaultdict(dict)
@@ -78,6 +81,19 @@ class LaunchState:
     def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
         self.world_size, self.method, self.backend, self.log_dir = world_size, method, backend, log_dir
         self.ranks = [RankState() for _ in range(world_size)]
+
+    def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int) -> None:
+        """Once the nodes have met: this node's ranks are ``first_rank`` on."""
+        self.first_rank, self.world_size, self.node, self.num_nodes = first_rank, world_size, node, num_nodes
+        self.changed = True
+
+    def label(self, local: int) -> int:
+        return self.first_rank + local
+
+    @property
+    def where(self) -> str:
+        """``4 ranks`` or ``4 ranks, node 1 of 2``."""
+        return f"{self.world_size} ranks" + (f", node {self.node} of {self.num_nodes}" if self.node is not None else "")
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -103,7 +119,7 @@ class LaunchState:
         for step, _, values in event.points:
             r.metrics.update(values)
             for name, value in values.items():
-                points = self.series[name].setdefault(event.rank, [])
+                points = self.series[name].setdefault(self.label(event.rank), [])
                 points.append((step, value))
                 if len(points) > MAX_POINTS:  # keep the curve, halve its resolution
                     del points[::2]
@@ -111,7 +127,7 @@ class LaunchState:
 
     def summary(self) -> str:
         now = time.monotonic()
-        return " | ".join(r.line(i, now) for i, r in enumerate(self.ranks))
+        return " | ".join(r.line(self.label(i), now) for i, r in enumerate(self.ranks))
 
     @property
     def has_progress(self) -> bool:
@@ -143,6 +159,7 @@ class TextDisplay:
         """Text has nothing to build."""
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
+        rank = self.state.label(rank)
         self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
         now = time.monotonic()
         start, count = self._window if now - self._window[0] < 1.0 else (now, 0)
@@ -216,6 +233,7 @@ class WidgetDisplay(TextDisplay):
             display(self.box)
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
+        rank = self.state.label(rank)
         self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
         self.state.changed = True
 
@@ -242,19 +260,20 @@ class WidgetDisplay(TextDisplay):
         st = self.state
         color = _STATE_COLOR.get(st.state, "#1565c0")
         self.header.value = (
-            f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.world_size} ranks, "
+            f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.where}, "
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
             + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
         if not st.changed:
             return
         st.changed = False
         now = time.monotonic()
-        rows = [_bar_row(f"rank {i}", _fraction(r), r.status, r.line(i, now)) for i, r in enumerate(st.ranks)]
-        if st.world_size > AGGREGATE_ABOVE and st.ranks:  # many ranks: one bar, detail on demand
+        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.line(st.label(i), now))
+                for i, r in enumerate(st.ranks)]
+        if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
             mean = sum(_fraction(r) for r in st.ranks) / len(st.ranks)
             done = sum(r.status == "finished" for r in st.ranks)
             status = "failed" if any(r.status == "failed" for r in st.ranks) else st.state
-            rows = [_bar_row("all ranks", mean, status, f"{done}/{st.world_size} finished"),
+            rows = [_bar_row("all ranks", mean, status, f"{done}/{len(st.ranks)} finished"),
                     "<details><summary>per-rank detail</summary>" + "".join(rows) + "</details>"]
         self.rows.value = "<div class='nblaunch-ranks'>" + "".join(rows) + "</div>"
         self.chart.value = "".join(_svg_chart(name, series) for name, series in list(st.series.items())[:3])

@@ -24,8 +24,9 @@ class RankFailure:
 
     ``kind`` is ``"exception"`` (fn or the set-up raised), ``"signal"`` (the
     process died from a signal it did not expect), ``"exit"`` (it exited with a
-    code and no report) or ``"stopped"`` (nblaunch stopped it after another
-    rank failed). ``time`` is the wall-clock time the failure was observed:
+    code and no report), ``"stopped"`` (nblaunch stopped it after another
+    rank failed) or ``"node"`` (another node's launcher was interrupted or
+    timed out; ``rank`` is that node's first rank). ``time`` is the wall-clock time the failure was observed:
     inside the rank for exceptions, in the kernel for deaths.
     """
 
@@ -38,7 +39,13 @@ class RankFailure:
     exitcode: Optional[int] = None
     signal: Optional[int] = None
     last_lines: tuple[str, ...] = ()
+    node: Optional[int] = None  # set in a multi-node launch
     exception: Optional[BaseException] = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """``rank 3`` or, in a multi-node launch, ``rank 3 (node 1)``."""
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
 
     @property
     def signal_name(self) -> str:
@@ -62,16 +69,18 @@ class RankFailure:
     def summary(self) -> str:
         """One line: what happened to this rank."""
         if self.kind == "exception":
-            return f"rank {self.rank} raised {self.exc_type}: {self.message}".rstrip()
+            return f"{self.label} raised {self.exc_type}: {self.message}".rstrip()
         if self.kind == "signal":
-            return f"rank {self.rank} was killed by {self.signal_name}" + (
+            return f"{self.label} was killed by {self.signal_name}" + (
                 " (the out-of-memory killer is the usual sender)"
                 if self.signal == _signal.SIGKILL
                 else ""
             )
+        if self.kind == "node":  # the launcher of a whole node ended its ranks
+            return f"node {self.node} {self.message}; its ranks were stopped"
         if self.kind == "stopped":
-            return f"rank {self.rank} was stopped by nblaunch after the failure above"
-        return f"rank {self.rank} exited with code {self.exitcode} without returning a result"
+            return f"{self.label} was stopped by nblaunch after the failure above"
+        return f"{self.label} exited with code {self.exitcode} without returning a result"
 
 
 # Transport errors a rank sees when a *peer* went away first. Matched on the
@@ -103,7 +112,7 @@ def root_cause(failures: list[RankFailure]) -> RankFailure:
 class WorkerError(LaunchError):
     """One or more ranks failed; the first one to fail is the subject.
 
-    Attributes: ``rank``, ``exitcode``, ``signal``, ``remote_traceback`` (of the
+    Attributes: ``rank`` (global), ``node`` (None on one machine), ``exitcode``, ``signal``, ``remote_traceback`` (of the
     root-cause rank), ``failures`` (every rank that did not return, root cause
     first), ``log_dir`` (where each rank's full output is kept). When the rank's
     exception could be sent back it is chained as ``__cause__``.
@@ -114,6 +123,7 @@ class WorkerError(LaunchError):
         others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
         self.failures = [cause, *others]
         self.rank = cause.rank
+        self.node = cause.node
         self.exitcode = cause.exitcode
         self.signal = cause.signal
         self.remote_traceback = cause.remote_traceback
@@ -128,15 +138,16 @@ class WorkerError(LaunchError):
         cause = self.root
         lines = [cause.summary()]
         if cause.remote_traceback:
-            lines += ["", f"Traceback from rank {cause.rank}:", cause.remote_traceback.rstrip()]
+            lines += ["", f"Traceback from {cause.label}:", cause.remote_traceback.rstrip()]
         if cause.kind != "exception" and cause.last_lines:
-            lines += ["", f"Last lines printed by rank {cause.rank}:"]
+            lines += ["", f"Last lines printed by {cause.label}:"]
             lines += [f"  {line}" for line in cause.last_lines]
         others = self.failures[1:]
         if others:
             lines += ["", "Other ranks:"] + [f"  {f.summary()}" for f in others]
         if self.log_dir:
-            lines += ["", f"Full output of every rank: {self.log_dir}"]
+            whose = "this node's ranks" if any(f.node is not None for f in self.failures) else "every rank"
+            lines += ["", f"Full output of {whose}: {self.log_dir}"]
         return lines
 
     def _render(self) -> str:

@@ -1,20 +1,19 @@
 """``notebook_launcher``: validate, decide, start, supervise, return."""
 from __future__ import annotations
 
-import datetime
 import functools
 import inspect
 import multiprocessing
 import os
-import socket
 import sys
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
 from . import worker
 from .display import make_display
-from .errors import LaunchError
+from .errors import LaunchError, WorkerError
 from .logs import new_launch_dir
+from .nodes import NodeGroup, SingleNode, route_address
 from .payload import CloudJob, check_sendable
 from .supervisor import LaunchTimeout, Supervisor
 
@@ -23,6 +22,7 @@ __all__ = ["notebook_launcher", "choose_start_method", "default_threads"]
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
 DISPLAYS = ("auto", "widget", "text", "none")
+RDZV_BACKENDS = ("c10d", "static")
 MAX_PROCESSES = 256
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
@@ -37,11 +37,18 @@ def notebook_launcher(
     start_method: str = "auto",
     backend: str = "auto",
     init_process_group: bool = True,
-    master_addr: str = "127.0.0.1",
+    master_addr: Optional[str] = None,
     threads_per_rank: Optional[int] = None,
     timeout: Optional[float] = None,
     display: str = "auto",
     stall_warning: Optional[float] = 60.0,
+    num_nodes: int = 1,
+    node_rank: Optional[int] = None,
+    rdzv_endpoint: Optional[str] = None,
+    rdzv_backend: str = "c10d",
+    rdzv_id: str = "nblaunch",
+    rdzv_timeout: float = 300.0,
+    max_restarts: int = 0,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -63,10 +70,28 @@ def notebook_launcher(
     text elsewhere), ``"widget"``, ``"text"`` or ``"none"`` (rank output
     only). ``stall_warning``: seconds without progress on one rank, while
     others progress, before the view says so (None: never).
+
+    Several machines: run the same call on each with ``num_nodes``,
+    ``rdzv_endpoint="host:port"`` (one address every node reaches) and the
+    same ``rdzv_id``. ``rdzv_backend="c10d"`` (torch elastic's dynamic
+    rendezvous; node ranks in arrival order unless ``node_rank`` is given)
+    or ``"static"`` (``node_rank`` required; node 0 hosts the endpoint).
+    Ranks are global (``RANK = node_rank * num_processes + LOCAL_RANK``) and
+    each node returns *its own* ranks' results, in local-rank order. A
+    failure on any node stops every node and is raised on each, naming the
+    rank and node. ``rdzv_timeout``: seconds to wait for every node.
+    ``master_addr``: on one machine, the address the ranks' store binds
+    (loopback by default); with several, this node's address that the others
+    reach (default: the one it uses to reach ``rdzv_endpoint``).
+    ``max_restarts``: after a rank fails, start every rank (on every node)
+    again this many times before raising.
     """
     args, kwargs = _validate(fn, args, kwargs, num_processes, start_method, backend,
                              init_process_group, master_addr, threads_per_rank, timeout,
                              display, stall_warning)
+    endpoint = _validate_nodes(num_nodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id,
+                               rdzv_timeout, max_restarts)
+    addr = _node_address(master_addr, endpoint)
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
@@ -86,31 +111,53 @@ def notebook_launcher(
     # then fires first and shows where every rank is, instead of gloo's error.
     pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else min(
         float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
-    log_dir = new_launch_dir()
-    specs = [
-        worker.WorkerSpec(
-            rank=rank, local_rank=rank, world_size=num_processes,
-            local_world_size=num_processes, master_addr=master_addr,
-            kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
-            pg_timeout_s=pg_timeout, env=_loopback_env(master_addr),
-            stack_file=str(log_dir / f"rank{rank}.stacks"))
-        for rank in range(num_processes)
-    ]
-    stores = []
-
-    def rendezvous() -> int:
-        store, port = _host_store(master_addr, num_processes, pg_timeout)
-        stores.append(store)
-        return port
-
+    if num_nodes == 1:
+        group: Any = SingleNode(addr, num_processes, pg_timeout)
+    else:
+        group = NodeGroup(num_nodes=num_nodes, node_rank=node_rank, endpoint=rdzv_endpoint,
+                          backend=rdzv_backend, run_id=rdzv_id, rdzv_timeout_s=float(rdzv_timeout),
+                          local_world_size=num_processes, addr=addr, store_timeout_s=pg_timeout)
     ctx = multiprocessing.get_context(method)
+    global_method = multiprocessing.get_start_method(allow_none=True)
+    notices = [reason] if reason else []
+    try:
+        for attempt in range(max_restarts + 1):
+            specs_base = dict(
+                world_size=num_processes, local_world_size=num_processes, master_addr=addr,
+                kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
+                pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
+                run_id=rdzv_id if num_nodes > 1 else "none")
+            try:
+                return _attempt(ctx, method, job, group, attempt, specs_base, num_processes,
+                                resolved_backend, display, notices, timeout, stall_warning)
+            except WorkerError as exc:
+                # Every node sees the same failures, so every node restarts;
+                # a node whose launcher was stopped (kind "node") will not.
+                if attempt == max_restarts or exc.root.kind == "node":
+                    raise
+                notices = [f"restart {attempt + 1} of {max_restarts} after: {exc.root.summary()}"]
+        raise AssertionError("unreachable")
+    finally:
+        group.close()
+        if global_method is None:
+            # Starting spawn/forkserver processes makes multiprocessing fix
+            # its global default as a side effect; the kernel had none.
+            multiprocessing.set_start_method(None, force=True)
+
+
+def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolved_backend,
+             display, notices, timeout, stall_warning) -> list:
+    """One start of every local rank, with its own view and log folder."""
+    log_dir = new_launch_dir()
+    specs = [worker.WorkerSpec(rank=local, local_rank=local, restart_count=attempt,
+                               stack_file=str(log_dir / f"local{local}.stacks"), **specs_base)
+             for local in range(num_processes)]
     view = make_display(display)
     view.begin(num_processes, method, resolved_backend or "", str(log_dir))
-    if reason:
-        view.notice(reason)
-    supervisor = Supervisor(ctx, specs, job, view, log_dir, rendezvous, timeout=timeout,
+    for text in notices:
+        view.notice(text)
+    supervisor = Supervisor(ctx, specs, job, view, log_dir, group, attempt=attempt, timeout=timeout,
                             stall_warning=stall_warning)
-    global_method = multiprocessing.get_start_method(allow_none=True)
     outcome = "failed"
     try:
         results = supervisor.run()
@@ -124,38 +171,6 @@ def notebook_launcher(
         raise
     finally:
         view.close(outcome)
-        stores.clear()
-        if global_method is None:
-            # Starting spawn/forkserver processes makes multiprocessing fix
-            # its global default as a side effect; the kernel had none.
-            multiprocessing.set_start_method(None, force=True)
-
-
-def _host_store(addr: str, world_size: int, timeout_s: float):
-    """Host the rendezvous TCPStore in the kernel on a port the OS picks.
-
-    The listening socket is made here and handed over (the store owns it from
-    then on) because torch's own server binds every interface, dual-stack.
-    Binding ``addr`` alone keeps a single-node launch on loopback; it also
-    keeps peers' addresses plain IPv4, which torch formats with a reverse
-    lookup that, for ``::ffff:127.0.0.1``, goes to DNS and stalls seconds
-    on a machine whose resolver is unreachable (measured: 5 s launches).
-    """
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((addr, 0))
-        sock.listen(max(128, world_size))
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    store = dist.TCPStore(addr, port, world_size, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s),
-                          master_listen_fd=sock.detach())
-    return store, port
 
 
 def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:
@@ -228,19 +243,63 @@ def _resolve_backend(backend: str, num_processes: int) -> str:
     return backend
 
 
-def _loopback_env(master_addr: str) -> dict:
-    """Make gloo/NCCL bind the loopback interface for a single-node launch
-    (they otherwise bind whatever the hostname resolves to)."""
-    if not master_addr.startswith("127.") and master_addr not in ("localhost", "::1"):
-        return {}
+def _interface_env(addr: str) -> dict:
+    """Make gloo/NCCL bind the interface that holds this node's address
+    (loopback for a single-node launch); they otherwise bind whatever the
+    host name resolves to, which need not be the network the others share."""
     import psutil
 
+    loopback = addr.startswith("127.") or addr in ("localhost", "::1")
     names = [name for name, addrs in psutil.net_if_addrs().items()
-             if any(a.address.startswith("127.") for a in addrs)]
+             if any(a.address.startswith("127.") if loopback else a.address == addr for a in addrs)]
     if not names:
         return {}
     return {var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
             if var not in os.environ}
+
+
+def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]]) -> str:
+    if master_addr is not None:
+        return master_addr
+    if endpoint is None:
+        return "127.0.0.1"
+    try:
+        return route_address(*endpoint)
+    except OSError as exc:
+        raise ValueError(f"rdzv_endpoint {endpoint[0]}:{endpoint[1]} cannot be reached from this "
+                         f"machine ({exc}); give a host name or address every node can reach") from None
+
+
+def _validate_nodes(num_nodes, node_rank, endpoint, backend, run_id, rdzv_timeout,
+                    max_restarts) -> Optional[tuple[str, int]]:
+    """Check the multi-node arguments; return the endpoint as ``(host, port)``."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                  or not 0 <= node_rank < num_nodes):
+        raise ValueError(f"node_rank must be an int in [0, num_nodes={num_nodes}), got {node_rank!r}")
+    if num_nodes == 1:
+        if endpoint is not None:
+            raise ValueError("rdzv_endpoint is for a launch across machines: give num_nodes > 1 too")
+        return None
+    if backend not in RDZV_BACKENDS:
+        raise ValueError(f"rdzv_backend must be one of {RDZV_BACKENDS}, got {backend!r}")
+    if backend == "static" and node_rank is None:
+        raise ValueError("rdzv_backend='static' needs node_rank (0 on the machine at rdzv_endpoint)")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"rdzv_id must be a non-empty string, got {run_id!r}")
+    if isinstance(rdzv_timeout, bool) or not isinstance(rdzv_timeout, Real) or not 0 < rdzv_timeout < 1e7:
+        raise ValueError(f"rdzv_timeout must be a positive number of seconds, got {rdzv_timeout!r}")
+    if not isinstance(endpoint, str) or not endpoint:
+        raise ValueError(f"num_nodes={num_nodes} needs rdzv_endpoint='host:port', an address every "
+                         "node can reach (the first node's machine, for instance)")
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rdzv_endpoint must be 'host:port', got {endpoint!r}")
+    return host, int(port)
 
 
 def _validate(fn, args, kwargs, num_processes, start_method, backend, init_process_group,
@@ -271,7 +330,7 @@ def _validate(fn, args, kwargs, num_processes, start_method, backend, init_proce
                          f"string, got {backend!r}")
     if not isinstance(init_process_group, bool):
         raise TypeError(f"init_process_group must be True or False, got {init_process_group!r}")
-    if not isinstance(master_addr, str) or not master_addr:
+    if master_addr is not None and (not isinstance(master_addr, str) or not master_addr):
         raise TypeError(f"master_addr must be a host name or address string, got {master_addr!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads_per_rank must be a positive int or None, got {threads!r}")

@@ -35,6 +35,7 @@ from .worker import WorkerSpec, run_worker
 __all__ = ["Supervisor", "LaunchTimeout"]
 
 STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only dies to SIGKILL
+REMOTE_GRACE_S = 2.0  # how long a node that only saw a peer vanish waits for the cause
 TAIL_LINES = 40
 _TICK_S = 0.1
 _NO_RESULT = object()
@@ -51,7 +52,9 @@ class _Rank:
     go: Connection
     events: Connection
     output: Connection
-    log: BinaryIO
+    log: Optional[BinaryIO] = None  # opened once the rank's global rank is known
+    global_rank: int = -1
+    node: Optional[int] = None  # set in a multi-node launch
     partial: bytearray = field(default_factory=bytearray)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     result: Any = _NO_RESULT
@@ -63,18 +66,27 @@ class _Rank:
 
     @property
     def rank(self) -> int:
-        return self.spec.rank
+        """The local rank: what events and the display index by."""
+        return self.spec.local_rank
+
+    def failure_at(self, kind: str, when: float, **fields) -> RankFailure:
+        return RankFailure(self.global_rank, kind, when, node=self.node, **fields)
 
 
 class Supervisor:
     """One launch: ``run()`` returns the per-rank results or raises."""
 
     def __init__(self, ctx, specs: list[WorkerSpec], job: Any, display, log_dir: Path,
-                 rendezvous: Callable[[], int], timeout: Optional[float] = None,
+                 group, attempt: int = 0, timeout: Optional[float] = None,
                  stall_warning: Optional[float] = None):
+        """``group`` is a :mod:`nblaunch.nodes` group: it places this node's
+        ranks in the job and carries failures between nodes."""
         self._ctx = ctx
         self._display = display
-        self._rendezvous = rendezvous
+        self._group = group
+        self._attempt = attempt
+        self._remote: Optional[RankFailure] = None  # another node's failure
+        self._placement = None
         self._stall_warning = stall_warning
         self._stalled: set[int] = set()
         self._log_dir = log_dir
@@ -90,10 +102,9 @@ class Supervisor:
             ev_r, ev_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             os.set_blocking(out_r.fileno(), False)
-            log = open(log_dir / f"rank{spec.rank}.log", "wb")
             proc = ctx.Process(target=run_worker, args=(spec, job, go_r, ev_w, out_w),
-                               name=f"nblaunch-rank{spec.rank}", daemon=False)
-            self._ranks.append(_Rank(spec, proc, go_w, ev_r, out_r, log))
+                               name=f"nblaunch-rank{spec.local_rank}", daemon=False)
+            self._ranks.append(_Rank(spec, proc, go_w, ev_r, out_r))
             child_ends += [go_r, ev_w, out_w]
         self._child_ends = child_ends
 
@@ -107,9 +118,15 @@ class Supervisor:
             # The user pressed stop, most likely because it looks stuck.
             self._display.notice("interrupted; where each rank was:\n" + self._where())
             self._stop(grace=STOP_GRACE_S)
+            self._tell_other_nodes("was interrupted")
+            raise
+        except LaunchTimeout:
+            self._stop(grace=STOP_GRACE_S)
+            self._tell_other_nodes(f"timed out after {self._timeout:g} s")
             raise
         except BaseException:
             self._stop(grace=STOP_GRACE_S)
+            self._tell_other_nodes("stopped on an error in its launcher")
             raise
         finally:
             self._cleanup()
@@ -141,17 +158,47 @@ class Supervisor:
             end.close()
         if errors:
             raise LaunchError(f"could not start the ranks: {errors[0]!r}") from errors[0]
-        # Only now, with every fork done, may the kernel run the store's
+        # Only now, with every fork done, may the kernel run a store's
         # server thread: a fork while that thread holds a libc lock (its
         # getnameinfo on accept) hands the child a lock no one will release.
-        port = self._rendezvous()
+        p = self._placement = self._join()
+        multi = p.num_nodes > 1
+        self._display.state.place(p.first_rank, p.world_size, p.node_rank if multi else None, p.num_nodes)
         for r in self._ranks:
+            r.global_rank = p.first_rank + r.rank
+            r.node = p.node_rank if multi else None
+            r.log = open(self._log_dir / f"rank{r.global_rank}.log", "wb")
+            place = {"rank": r.global_rank, "world_size": p.world_size, "group_rank": p.node_rank,
+                     "num_nodes": p.num_nodes, "master_addr": p.master_addr, "master_port": p.master_port,
+                     "restart_count": self._attempt}
             try:
-                r.go.send({"master_port": port})
+                r.go.send(place)
             except OSError:
                 pass  # that rank already died; its sentinel will tell
             r.go.close()
         self._display.show()
+
+    def _join(self):
+        """``group.join`` in a helper thread, so that the cell's thread stays
+        interruptible (and the view alive) while the nodes gather."""
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["placement"] = self._group.join(self._attempt)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
+                box["error"] = exc
+
+        if self._group.num_nodes > 1:
+            self._display.notice(f"waiting for {self._group.num_nodes} nodes to join")
+        thread = threading.Thread(target=join, name="nblaunch-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_TICK_S)
+            self._display.tick()
+        if "error" in box:
+            raise box["error"]
+        return box["placement"]
 
     # -- watching ----------------------------------------------------------------
 
@@ -181,6 +228,7 @@ class Supervisor:
                                     f"where each rank was (innermost frame first):\n{self._where()}\n"
                                     f"The ranks were stopped. Full output: {self._log_dir}")
             self._check_stalls(now)
+            self._check_other_nodes()
             self._display.tick()
 
     def _read_output(self, r: _Rank) -> None:
@@ -195,7 +243,8 @@ class Supervisor:
                 r.output_open = False
                 self._end_output(r)
                 return
-            r.log.write(data)
+            if r.log is not None:
+                r.log.write(data)
             r.partial += data
             if b"\n" in data:
                 *whole, rest = r.partial.split(b"\n")
@@ -229,9 +278,9 @@ class Supervisor:
                 r.result = event.payload
                 state.set_rank(r.rank, "finished")
             elif isinstance(event, Failure):
-                r.failure = _failure_from_event(event)
+                r.failure = _failure_from_event(r, event)
                 state.set_rank(r.rank, "failed")
-                self._begin_stop()
+                self._on_failure(r.failure)
             elif isinstance(event, Started):
                 state.set_rank(r.rank, "running")
 
@@ -247,17 +296,17 @@ class Supervisor:
         if r.failure is not None:
             self._display.state.set_rank(r.rank, "stopped" if r.failure.kind == "stopped" else "failed")
             if r.failure.kind != "stopped":
-                self._begin_stop()
+                self._on_failure(r.failure)
 
     def _death(self, r: _Rank, code: int) -> RankFailure:
         tail = tuple(r.tail)
         now = time.time()
         if r.stopped:
-            return RankFailure(r.rank, "stopped", now, exitcode=code,
-                               signal=-code if code < 0 else None, last_lines=tail)
+            return r.failure_at("stopped", now, exitcode=code, signal=-code if code < 0 else None,
+                                last_lines=tail)
         if code < 0:
-            return RankFailure(r.rank, "signal", now, exitcode=code, signal=-code, last_lines=tail)
-        return RankFailure(r.rank, "exit", now, exitcode=code, last_lines=tail)
+            return r.failure_at("signal", now, exitcode=code, signal=-code, last_lines=tail)
+        return r.failure_at("exit", now, exitcode=code, last_lines=tail)
 
     def _check_stalls(self, now: float) -> None:
         """Warn once when a rank's progress stands still while others move."""
@@ -279,11 +328,54 @@ class Supervisor:
 
     def _where(self) -> str:
         """Each live rank's main-thread stack, innermost frames first."""
-        live = {r.rank: (r.proc.pid, r.spec.stack_file) for r in self._ranks
+        live = {(r.global_rank if r.global_rank >= 0 else r.rank): (r.proc.pid, r.spec.stack_file) for r in self._ranks
                 if not r.exited and r.proc.pid is not None and r.spec.stack_file}
         if not live:
             return "  (no rank was running)"
         return format_stacks(collect(live), live)
+
+    # -- other nodes -------------------------------------------------------------
+
+    def _on_failure(self, failure: RankFailure) -> None:
+        if not failure.is_consequence:
+            self._group.publish(failure)  # the other nodes stop within a poll
+        self._begin_stop()
+
+    def _check_other_nodes(self) -> None:
+        if self._remote is not None:
+            return
+        remote = self._group.poll()
+        if remote is not None:
+            self._remote = remote
+            self._display.notice(f"{remote.summary()}; stopping this node's ranks")
+            self._begin_stop()
+
+    def _tell_other_nodes(self, what: str) -> None:
+        p = self._placement
+        if p is not None and p.num_nodes > 1:
+            self._group.publish(RankFailure(p.first_rank, "node", time.time(), message=what, node=p.node_rank))
+
+    def _settle_with_other_nodes(self, failures: list[RankFailure]) -> Optional[RankFailure]:
+        """This node's ranks are done. On success, the exit barrier (it returns
+        another node's failure if one came). On failure, when this node only
+        saw a consequence (a peer vanished), give the node where it started a
+        moment to say so, then publish ours."""
+        if self._placement is None:
+            return None
+        if not failures:
+            return self._group.finish(succeeded=True)
+        if self._placement.num_nodes > 1 and self._remote is None:
+            deadline = time.monotonic() + REMOTE_GRACE_S
+            while self._remote is None and time.monotonic() < deadline:
+                self._remote = self._group.poll(force=True)
+                if self._remote is None:
+                    time.sleep(_TICK_S)
+            if self._remote is None:
+                from .errors import root_cause
+
+                self._group.publish(root_cause(failures))
+        self._group.finish(succeeded=False)
+        return self._remote
 
     # -- stopping ----------------------------------------------------------------
 
@@ -328,7 +420,8 @@ class Supervisor:
                 r.go.close()
                 r.events.close()
                 r.output.close()
-                r.log.close()
+                if r.log is not None:
+                    r.log.close()
             for end in self._child_ends:
                 end.close()
 
@@ -336,31 +429,34 @@ class Supervisor:
 
     def _outcome(self) -> list:
         failures = [r.failure for r in self._ranks if r.failure is not None]
+        results = []
         if not failures:
-            results = []
             for r in self._ranks:
                 try:
                     results.append(pickle.loads(r.result))
                 except Exception as exc:
-                    failures.append(RankFailure(
-                        r.rank, "exception", time.time(), exc_type=type(exc).__qualname__,
-                        message=f"the result of rank {r.rank} could not be unpickled in the kernel: {exc}"))
-            if not failures:
-                return results
+                    failures.append(r.failure_at(
+                        "exception", time.time(), exc_type=type(exc).__qualname__,
+                        message=f"the result of rank {r.global_rank} could not be unpickled in the kernel: {exc}"))
+        remote = self._settle_with_other_nodes(failures)
+        if remote is not None:
+            failures.append(remote)
+        if not failures:
+            return results
         error = WorkerError(failures, log_dir=str(self._log_dir))
         raise error from error.root.exception
 
 
-def _failure_from_event(event: Failure) -> RankFailure:
+def _failure_from_event(r: _Rank, event: Failure) -> RankFailure:
     exception = None
     if event.exception is not None:
         try:
             exception = pickle.loads(event.exception)
         except Exception:
             exception = None
-    return RankFailure(event.rank, "exception", event.time, exc_type=event.exc_type,
-                       message=event.message, remote_traceback=event.traceback,
-                       exception=exception, exitcode=1)  # the worker's exit code after a report
+    return r.failure_at("exception", event.time, exc_type=event.exc_type,
+                        message=event.message, remote_traceback=event.traceback,
+                        exception=exception, exitcode=1)  # the worker's exit code after a report
 
 
 def _signal_tree(pid: int, sig: int) -> None:

@@ -9,6 +9,7 @@ can hang on threads or atexit handlers the kernel left in a forked child).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import io
@@ -39,7 +40,7 @@ _current: Optional["WorkerSpec"] = None
 class WorkerSpec:
     """Everything a rank needs to know about its place in the launch."""
 
-    rank: int
+    rank: int  # global; until the go message, the local rank
     local_rank: int
     world_size: int
     local_world_size: int
@@ -49,7 +50,13 @@ class WorkerSpec:
     threads: int
     pg_timeout_s: float
     env: dict = field(default_factory=dict)  # extra variables for this rank
+    master_port: int = 0  # set by the go message
     stack_file: str = ""  # where faulthandler dumps this rank's stacks on SIGUSR1
+    group_rank: int = 0  # this node's rank
+    num_nodes: int = 1
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "none"
 
 
 def current_spec() -> Optional[WorkerSpec]:
@@ -61,7 +68,9 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                output: Connection) -> None:
     """Entry point of a rank process. ``job`` is ``(fn, args, kwargs)``, or a
     ``payload.PackedJob`` of them when the rank was not forked. ``go``
-    delivers the rendezvous port once every rank has been started."""
+    delivers the rank's place in the job (global rank, world size, where the
+    ranks' store is) once every rank has been started and the nodes have met.
+    Events name the rank by its local rank: the kernel knows the rest."""
     global _current
     parent = os.getppid()
     _watch_parent(spec.kernel_pid, parent)
@@ -69,17 +78,18 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)
-    progress._start(sender, spec.rank)
-    _current = spec
+    local = spec.local_rank
+    progress._start(sender, local)
     phase = "setup"
     made_group = False
     try:
         os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
-        master_port = go.recv()["master_port"]
+        spec = dataclasses.replace(spec, **go.recv())
         go.close()
-        os.environ.update(_torchrun_env(spec, master_port))
+        _current = spec
+        os.environ.update(_torchrun_env(spec))
         os.environ.update(spec.env)
-        sender.send(Started(spec.rank, os.getpid(), time.time()))
+        sender.send(Started(local, os.getpid(), time.time()))
         made_group = _setup_torch(spec)
         phase = "load"
         fn, args, kwargs = _load(job)
@@ -94,13 +104,13 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         payload = _dump_result(spec.rank, value)
         _check_size(spec.rank, value, payload)
         progress._finish()
-        sender.send(Result(spec.rank, payload))
+        sender.send(Result(local, payload))
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
         try:
             progress._finish()
         except Exception:
             pass
-        _report(sender, spec.rank, phase, exc)
+        _report(sender, local, phase, exc)
         # Stay up until the kernel stops every rank: exiting now would close
         # our sockets and hand the peers a "Connection closed by peer" error
         # of their own before the kernel has stopped them.
@@ -170,23 +180,27 @@ def _capture_output(output: Connection) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
-def _torchrun_env(spec: WorkerSpec, master_port: int) -> dict[str, str]:
+def _torchrun_env(spec: WorkerSpec) -> dict[str, str]:
     env = {
         "RANK": spec.rank,
         "LOCAL_RANK": spec.local_rank,
         "WORLD_SIZE": spec.world_size,
         "LOCAL_WORLD_SIZE": spec.local_world_size,
-        "GROUP_RANK": 0,
-        "NODE_RANK": 0,
+        "GROUP_RANK": spec.group_rank,
+        "NODE_RANK": spec.group_rank,
+        "GROUP_WORLD_SIZE": spec.num_nodes,
+        "ROLE_NAME": "default",
         "ROLE_RANK": spec.rank,
         "ROLE_WORLD_SIZE": spec.world_size,
         "MASTER_ADDR": spec.master_addr,
-        "MASTER_PORT": master_port,
+        "MASTER_PORT": spec.master_port,
         # The kernel hosts the TCPStore (bound to a free port it chose, so two
         # launches can never race for one); env:// then makes every rank a
         # client of it, exactly as under torchrun's agent.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": 0,
+        "TORCHELASTIC_RESTART_COUNT": spec.restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": spec.max_restarts,
+        "TORCHELASTIC_RUN_ID": spec.run_id,
         "OMP_NUM_THREADS": spec.threads,
         "NBLAUNCH_RANK": spec.rank,
     }
