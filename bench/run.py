@@ -7,7 +7,11 @@ Launchers alternate within every repetition so drift in the machine hits all
 of them alike; we report medians and ratios, not absolute seconds.
 
     python bench/run.py                 # full: 2, 4, 8 ranks, 7 repetitions
-    python bench/run.py --smoke         # CI: 2 ranks, 1 repetition
+    python bench/run.py --smoke         # CI: 2 ranks, 1 repetition, a small tensor
+
+Besides launch time: relaunch (cold and warm forkserver), failure latency,
+spawn (where each launcher can run it at all) and memory (4 ranks given a
+1 GiB tensor, under each launcher and start method).
 """
 from __future__ import annotations
 
@@ -201,6 +205,121 @@ def failure_latency(kind):
 '''
 
 
+SPAWN_SETUP = r'''
+import sys
+sys.path.insert(0, BENCH_DIR)
+import jobs
+
+def launch_nblaunch_spawn(n):
+    from nblaunch import notebook_launcher
+    t = time.perf_counter()
+    assert notebook_launcher(_job, num_processes=n, start_method="spawn") == [float(n)] * n
+    return time.perf_counter() - t
+
+def launch_torch_spawn_module_fn(n):
+    t = time.perf_counter()
+    tmp.start_processes(jobs.torch_rank, args=(n, _free_port()), nprocs=n, start_method="spawn")
+    return time.perf_counter() - t
+
+def torch_spawn_notebook_fn_error(n):
+    try:
+        tmp.start_processes(_torch_rank, args=(n, _free_port()), nprocs=n, start_method="spawn")
+    except Exception as exc:
+        lines = [l for l in str(exc).splitlines() if "Error" in l]
+        return (lines[-1] if lines else repr(exc)).strip()
+    return None
+'''
+
+
+def measure_spawn(reps) -> dict:
+    """Spawn at 2 ranks, in a fresh kernel: nblaunch with a notebook-defined
+    function, torch.multiprocessing with one it can import (it cannot run a
+    notebook-defined one: the error is recorded)."""
+    kernel = BenchKernel()
+    try:
+        kernel.run(SETUP + f"BENCH_DIR = {str(HERE)!r}\n" + SPAWN_SETUP)
+        text = kernel.run("print('ERROR', torch_spawn_notebook_fn_error(2))", timeout=120)
+        error = text.split("ERROR ", 1)[1].strip()
+        kernel.seconds("launch_nblaunch_spawn(2)")  # warm-up, as for the others
+        kernel.seconds("launch_torch_spawn_module_fn(2)")
+        ours, theirs = [], []
+        for _ in range(reps):
+            ours.append(kernel.seconds("launch_nblaunch_spawn(2)"))
+            theirs.append(kernel.seconds("launch_torch_spawn_module_fn(2)"))
+        return {"nblaunch_spawn_notebook_fn_s": statistics.median(ours),
+                "torch_spawn_module_fn_s": statistics.median(theirs),
+                "nblaunch/torch_spawn": statistics.median(ours) / statistics.median(theirs),
+                "torch_spawn_notebook_fn": error}
+    finally:
+        kernel.close()
+
+
+MEMORY_SETUP = r'''
+import json, shutil, tempfile, threading, psutil
+from accelerate import notebook_launcher as accelerate_launcher
+from nblaunch import notebook_launcher
+
+_big = []
+
+def _make_big(mib):
+    # Made in a helper thread: a parallel fill in the kernel's main thread
+    # would hang the forked ranks of torch fork and accelerate (GNU OpenMP
+    # after fork), and this measures memory, not that hang.
+    t = threading.Thread(target=lambda: _big.append(torch.ones(mib * 2**20 // 4)))
+    t.start(); t.join()
+
+def memory(launcher, method, n):
+    # Warm-up first, so a forkserver started once per kernel is not counted
+    # as if every launch paid for it.
+    if launcher == "nblaunch":
+        notebook_launcher(jobs.job, num_processes=n, start_method=method, display="none")
+    d = tempfile.mkdtemp()
+    args = (_big[0], d, os.getpid())
+    base = jobs.tree_pss(os.getpid())
+    if launcher == "nblaunch":
+        notebook_launcher(jobs.hold, args=args, num_processes=n, start_method=method, display="none")
+    elif launcher == "torch":
+        tmp.start_processes(jobs.torch_rank, args=(n, _free_port(), jobs.hold, *args), nprocs=n,
+                            start_method=method)
+    else:
+        import contextlib, io
+        with contextlib.redirect_stdout(io.StringIO()):
+            accelerate_launcher(jobs.hold, args=args, num_processes=n, use_port=str(_free_port()))
+    recs = [json.load(open(f"{d}/rank{r}.json")) for r in range(n)]
+    shutil.rmtree(d)
+    tree = recs[0]["tree_pss"]
+    print("MEMORY", json.dumps({"ranks_uss_mib": sum(r["uss"] for r in recs) / 2**20,
+                                "extra_mib": (tree - base) / 2**20}))
+'''
+
+MEMORY_CASES = (("nblaunch", "fork"), ("nblaunch", "forkserver"), ("nblaunch", "spawn"),
+                ("torch", "fork"), ("torch", "spawn"), ("accelerate", "fork"))
+
+
+def measure_memory(mib: int, n: int) -> dict:
+    """``n`` ranks each given the same ``mib`` MiB tensor from the kernel:
+    the memory the ranks own (sum of USS), and the extra memory of the
+    kernel's process tree (kernel, ranks, forkserver and other helpers; sum
+    of PSS) while they hold it, against the same sum just before the launch
+    (after a warm-up launch, so a forkserver started once per kernel is in
+    both readings). Each case in a fresh kernel, so one
+    launcher's shared-memory choices cannot leak into the next one's numbers.
+    (The machine's available memory was tried first: other activity on the
+    machine moved it by up to 400 MiB between two readings.)"""
+    out = {}
+    for launcher, method in MEMORY_CASES:
+        kernel = BenchKernel()
+        try:
+            kernel.run(SETUP + f"BENCH_DIR = {str(HERE)!r}\n" + SPAWN_SETUP + MEMORY_SETUP)
+            kernel.run(f"_make_big({mib})")
+            print(f"  memory {launcher} {method} ...", file=sys.stderr, flush=True)
+            text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
+            out[f"{launcher} {method}"] = json.loads(text.split("MEMORY ", 1)[1])
+        finally:
+            kernel.close()
+    return {"tensor_mib": mib, "ranks": n, "cases": out}
+
+
 def measure_failure(reps) -> dict:
     """Rank raises / rank SIGKILLed -> the cell raises, in a kernel (nblaunch)."""
     kernel = BenchKernel()
@@ -231,6 +350,15 @@ def summarise(times: dict, sizes) -> dict:
     return {"median_s": med, "ratios": ratios}
 
 
+def per_added_rank(summary: dict, sizes) -> dict:
+    """Launch cost per added rank, smallest to largest size, per launcher."""
+    lo, hi = min(sizes), max(sizes)
+    if lo == hi:
+        return {}
+    med = summary["median_s"]
+    return {name: (med[name][hi] - med[name][lo]) / (hi - lo) for name in LAUNCHERS}
+
+
 def versions() -> dict:
     import accelerate
     import torch
@@ -257,13 +385,23 @@ def table(summary: dict, sizes) -> str:
     return "\n".join(lines)
 
 
+def memory_table(memory: dict) -> str:
+    lines = [f"| {memory['ranks']} ranks, {memory['tensor_mib']} MiB tensor | ranks' own memory (MiB, sum of USS) "
+             "| extra memory of the kernel's process tree (MiB, PSS) |", "|---|---|---|"]
+    for case, m in memory["cases"].items():
+        lines.append(f"| {case} | {m['ranks_uss_mib']:.0f} | {m['extra_mib']:.0f} |")
+    return "\n".join(lines)
+
+
 def plot(summary: dict, sizes, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    memory = summary.get("memory")
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(12 if memory else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for name in LAUNCHERS:
         ax.plot(sizes, [summary["median_s"][name][n] for n in sizes], marker="o", label=name)
     ax.set_xlabel("ranks")
@@ -273,6 +411,16 @@ def plot(summary: dict, sizes, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
+    if memory:
+        ax = axes[0][1]
+        cases = list(memory["cases"])
+        ax.barh(cases, [memory["cases"][c]["extra_mib"] for c in cases], color="#1565c0")
+        ax.axvline(memory["tensor_mib"], color="#c62828", linestyle="--", label="one copy of the tensor")
+        ax.set_xlabel("extra memory of the kernel's process tree (MiB, PSS)")
+        ax.legend(loc="lower right")
+        ax.set_title(f"{memory['ranks']} ranks given one {memory['tensor_mib']} MiB tensor")
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -281,7 +429,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="2 ranks, 1 repetition (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     opts = parser.parse_args(argv)
     sizes, reps = ([2], 1) if opts.smoke else (opts.sizes, opts.reps)
@@ -289,7 +437,13 @@ def main(argv=None) -> int:
     summary = summarise(times, sizes)
     summary["relaunch_2_ranks"] = measure_relaunch(reps)
     summary["failure_latency_s"] = measure_failure(reps)
+    summary["spawn_2_ranks"] = measure_spawn(1 if opts.smoke else 3)
+    summary["memory"] = measure_memory(64 if opts.smoke else 1024, 2 if opts.smoke else 4)
+    summary["per_added_rank_s"] = per_added_rank(summary, sizes)
     print(table(summary, sizes))
+    if summary["per_added_rank_s"]:
+        print("launch cost per added rank: " + ", ".join(
+            f"{name} {1000 * s:.1f} ms" for name, s in summary["per_added_rank_s"].items()))
     if times["hangs"]:
         print(f"hung (timed out after {os.environ.get('BENCH_CALL_TIMEOUT', 120)} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
@@ -298,6 +452,12 @@ def main(argv=None) -> int:
     fl = summary["failure_latency_s"]
     print(f"failure -> cell raises (nblaunch, 2 ranks): rank raises {fl['raise']:.3f} s, "
           f"rank SIGKILLed {fl['sigkill']:.3f} s")
+    sp = summary["spawn_2_ranks"]
+    print(f"spawn, 2 ranks: nblaunch (notebook fn) {sp['nblaunch_spawn_notebook_fn_s']:.3f} s, torch "
+          f"(importable fn) {sp['torch_spawn_module_fn_s']:.3f} s, ratio {sp['nblaunch/torch_spawn']:.2f}; "
+          f"torch spawn with a notebook fn: {sp['torch_spawn_notebook_fn']}")
+    print()
+    print(memory_table(summary["memory"]))
     if not opts.smoke:
         opts.out.mkdir(parents=True, exist_ok=True)
         record = {"versions": versions(), "reps": reps, "raw_s": times, **summary}

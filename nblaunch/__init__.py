@@ -1,11 +1,11 @@
 """nblaunch: distributed PyTorch training as one call from a notebook cell."""
 from .data import sharded_loader
 from .errors import LaunchError, RankFailure, WorkerError
-from .launcher import notebook_launcher
+from .launcher import LaunchResults, notebook_launcher
 from .progress import log, progress
 from .supervisor import LaunchTimeout
 
-__all__ = ["notebook_launcher", "progress", "log", "sharded_loader", "LaunchError", "WorkerError", "LaunchTimeout",
+__all__ = ["notebook_launcher", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError", "WorkerError", "LaunchTimeout",
            "RankFailure"]
 __version__ = "0.1.0"
 

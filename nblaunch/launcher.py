@@ -17,7 +17,7 @@ from .nodes import NodeGroup, SingleNode, route_address
 from .payload import CloudJob, check_sendable
 from .supervisor import LaunchTimeout, Supervisor
 
-__all__ = ["notebook_launcher", "choose_start_method", "default_threads"]
+__all__ = ["notebook_launcher", "LaunchResults", "choose_start_method", "default_threads"]
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
@@ -26,6 +26,16 @@ RDZV_BACKENDS = ("c10d", "static")
 MAX_PROCESSES = 256
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
+
+
+class LaunchResults(list):
+    """What ``notebook_launcher`` returns: this node's per-rank results in
+    local-rank order (a plain list in every other respect), plus where each
+    rank's full output was kept: ``log_dir`` and ``log_files`` (one per rank,
+    in the same order)."""
+
+    log_dir: str = ""
+    log_files: list = []
 
 
 def notebook_launcher(
@@ -160,8 +170,10 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
                             stall_warning=stall_warning)
     outcome = "failed"
     try:
-        results = supervisor.run()
+        results = LaunchResults(supervisor.run())
         outcome = "finished"
+        results.log_dir = str(log_dir)
+        results.log_files = [str(log_dir / f"rank{view.state.label(i)}.log") for i in range(num_processes)]
         return results
     except KeyboardInterrupt:
         outcome = "interrupted"

@@ -6,6 +6,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -294,10 +295,13 @@ def test_rank_output_arrives_as_whole_tagged_lines(capsys):
 
 def test_every_line_is_kept_in_the_rank_log_files(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
-    assert notebook_launcher(print_and_return, args=(5,), num_processes=2) == [5, 5]
+    results = notebook_launcher(print_and_return, args=(5,), num_processes=2)
+    assert results == [5, 5]
     (launch_dir,) = tmp_path.iterdir()
+    assert results.log_dir == str(launch_dir)  # the result names where the output is
+    assert results.log_files == [str(launch_dir / "rank0.log"), str(launch_dir / "rank1.log")]
     for rank in (0, 1):
-        text = (launch_dir / f"rank{rank}.log").read_text()
+        text = Path(results.log_files[rank]).read_text()
         assert text.splitlines() == [f"line {i}" for i in range(5)] + ["to stderr"]
     assert "[rank 1] to stderr" in capsys.readouterr().out
 

@@ -1,0 +1,208 @@
+"""The live view as a person sees it: JupyterLab on loopback, a notebook run in
+headless Chromium (Debian's chromium, driven by Playwright; no downloaded
+browser), the DOM read while the ranks train and after.
+
+Skipped where Chromium, JupyterLab or Playwright are missing, unless
+``NBLAUNCH_REQUIRE_BROWSER=1`` (set by ``.ci/run``, which installs them):
+then a missing piece fails the test instead of hiding it. Screenshots go to
+``$NBLAUNCH_ARTIFACTS`` (default ``test-artifacts/`` in the checkout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# The flags Chromium needs as root on a machine with no network beyond loopback.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# A 4-rank CPU training slowed to ~4 s, so the view can be watched while it moves.
+LIVE_TRAIN = """
+import time, torch
+from nblaunch import notebook_launcher, progress, log
+
+def train(steps=60):
+    import torch.distributed as dist
+    torch.manual_seed(dist.get_rank())  # each rank its own data: a loss line each
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=0.05)
+    for step in progress(range(steps), desc="train"):
+        x = torch.randn(16, 4)
+        loss = ((x @ w - x.sum(1)) ** 2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        log(loss=loss.item())
+        time.sleep(0.06)
+    return dist.get_rank()
+"""
+
+READ_VIEW = """() => {
+  const header = Array.from(document.querySelectorAll('b')).map(b => b.textContent)
+      .filter(t => t.startsWith('nblaunch: '));
+  const bars = Array.from(document.querySelectorAll('.nblaunch-rank'))
+      .map(e => [e.dataset.status, parseFloat(e.dataset.fraction)]);
+  const lines = document.querySelectorAll('svg.nblaunch-chart polyline').length;
+  return {header: header.length ? header[header.length - 1] : null, bars, lines};
+}"""
+
+
+def _missing() -> str:
+    if CHROMIUM is None:
+        return "no chromium on PATH (Debian: apt-get install chromium)"
+    for module in ("playwright", "jupyterlab"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (it is in the test extras)"
+    return ""
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on loopback serving ``tmp_path``, and a page factory."""
+    missing = _missing()
+    if missing:
+        if os.environ.get("NBLAUNCH_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"the browser test is required here but {missing}")
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))  # no news toast over the view
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"))
+    env.pop("PYTEST_CURRENT_TEST", None)  # as a user's server: ipykernel captures fds again
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
+         "--LabApp.extension_manager=readonly",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise AssertionError("JupyterLab did not start:\n" + (tmp_path / "server.log").read_text())
+                time.sleep(0.2)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                def open_notebook(name: str):
+                    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+                    page.goto(f"{base}/lab/tree/{name}?token={token}")
+                    page.wait_for_function(
+                        "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+                        " const k = w && w.sessionContext && w.sessionContext.session"
+                        " && w.sessionContext.session.kernel; return k && k.status === 'idle'; }",
+                        timeout=90_000)
+                    return page
+
+                yield open_notebook
+            finally:
+                browser.close()
+    finally:
+        server.terminate()  # the server shuts its kernels down, and their ranks with them
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _run_all(page) -> None:
+    # Not awaited: the command's promise resolves only when every cell ran.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def _artifacts() -> Path:
+    path = Path(os.environ.get("NBLAUNCH_ARTIFACTS", ROOT / "test-artifacts"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _wait_finished(page, ranks: int, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    view = page.evaluate(READ_VIEW)
+    while not (view["header"] or "").startswith(("nblaunch: finished", "nblaunch: failed")):
+        assert time.monotonic() < deadline, f"the launch did not finish in the browser: {view}"
+        page.wait_for_timeout(100)
+        view = page.evaluate(READ_VIEW)
+    return view
+
+
+def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(LIVE_TRAIN),
+                nbformat.v4.new_code_cell("results = notebook_launcher(train, num_processes=4)"),
+                nbformat.v4.new_code_cell("print('results:', results)")]
+    # A kernelspec, or JupyterLab asks which kernel to start.
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "live.ipynb")
+    page = lab("live.ipynb")
+    _run_all(page)
+    snapshots = []
+    shot_taken = False
+    deadline = time.monotonic() + 120
+    while True:
+        view = page.evaluate(READ_VIEW)
+        snapshots.append(view)
+        header = view["header"] or ""
+        if header.startswith("nblaunch: running") and not shot_taken and view["lines"] \
+                and any(0.3 < f < 0.8 for _, f in view["bars"]):
+            page.screenshot(path=str(_artifacts() / "jupyterlab-live-view-running.png"))
+            shot_taken = True
+        if header.startswith(("nblaunch: finished", "nblaunch: failed")):
+            break
+        assert time.monotonic() < deadline, f"no end in sight: {view}"
+        page.wait_for_timeout(100)
+    page.wait_for_selector("text=results: [0, 1, 2, 3]", timeout=30_000)
+    page.screenshot(path=str(_artifacts() / "jupyterlab-live-view-finished.png"))
+
+    final = snapshots[-1]
+    assert final["header"].startswith("nblaunch: finished"), final
+    assert final["bars"] == [["finished", 1.0]] * 4  # one bar per rank, each at 100%
+    assert final["lines"] == 4  # the loss chart: a line per rank
+    # Live, not only at the end: while running, bars part-way and a loss curve
+    # already drawn, and the bars moved between redraws.
+    running = [v for v in snapshots if (v["header"] or "").startswith("nblaunch: running")]
+    midway = [v for v in running if v["lines"] and any(0 < f < 1 for _, f in v["bars"])]
+    assert midway, f"the view never showed a rank part-way: {snapshots[:3]} ... {snapshots[-3:]}"
+    means = {round(sum(f for _, f in v["bars"]) / len(v["bars"]), 2) for v in running if v["bars"]}
+    assert len(means) >= 3, f"the bars did not move while running: {sorted(means)}"
+    assert shot_taken
+
+
+def test_quickstart_tutorial_in_jupyterlab(lab, tmp_path):
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path)
+    page = lab("01_quickstart.ipynb")
+    _run_all(page)
+    view = _wait_finished(page, ranks=2)
+    assert view["header"].startswith("nblaunch: finished"), view
+    assert view["bars"] == [["finished", 1.0]] * 2 and view["lines"] == 2, view
+    page.wait_for_selector("text=loss went down on every rank: True", timeout=30_000)
+    page.screenshot(path=str(_artifacts() / "jupyterlab-quickstart.png"), full_page=True)
