@@ -181,6 +181,8 @@ class Supervisor:
     def _join(self):
         """``group.join`` in a helper thread, so that the cell's thread stays
         interruptible (and the view alive) while the nodes gather."""
+        if self._group.num_nodes == 1:
+            return self._group.join(self._attempt)  # hosts a store: nothing to wait for
         box: dict = {}
 
         def join() -> None:
@@ -189,8 +191,7 @@ class Supervisor:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
                 box["error"] = exc
 
-        if self._group.num_nodes > 1:
-            self._display.notice(f"waiting for {self._group.num_nodes} nodes to join")
+        self._display.notice(f"waiting for {self._group.num_nodes} nodes to join")
         thread = threading.Thread(target=join, name="nblaunch-join", daemon=True)
         thread.start()
         while thread.is_alive():
