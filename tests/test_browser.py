@@ -1,14 +1,15 @@
-"""The live view as a person sees it: JupyterLab on loopback, a notebook run in
-headless Chromium (Debian's chromium, driven by Playwright; no downloaded
+"""The live view as a person sees it: JupyterLab 4 and Notebook 7 on loopback,
+a notebook run in headless Chromium (Debian's chromium, driven by Playwright; no downloaded
 browser), the DOM read while the ranks train and after.
 
-Skipped where Chromium, JupyterLab or Playwright are missing, unless
+Skipped where Chromium, JupyterLab, Notebook or Playwright are missing, unless
 ``NBLAUNCH_REQUIRE_BROWSER=1`` (set by ``.ci/run``, which installs them):
 then a missing piece fails the test instead of hiding it. Screenshots go to
 ``$NBLAUNCH_ARTIFACTS`` (default ``test-artifacts/`` in the checkout).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -60,10 +61,10 @@ READ_VIEW = """() => {
 }"""
 
 
-def _missing() -> str:
+def _missing(app: str) -> str:
     if CHROMIUM is None:
         return "no chromium on PATH (Debian: apt-get install chromium)"
-    for module in ("playwright", "jupyterlab"):
+    for module in ("playwright", app):
         try:
             __import__(module)
         except ImportError:
@@ -71,10 +72,12 @@ def _missing() -> str:
     return ""
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server on loopback serving ``tmp_path``, and a page factory."""
-    missing = _missing()
+@contextlib.contextmanager
+def _serve(tmp_path: Path, app: str):
+    """A Jupyter server (``app``: ``"jupyterlab"`` or ``"notebook"``, for
+    Notebook 7) on loopback serving ``tmp_path``; yields a function that
+    opens a notebook in headless Chromium once its kernel is idle."""
+    missing = _missing(app)
     if missing:
         if os.environ.get("NBLAUNCH_REQUIRE_BROWSER") == "1":
             pytest.fail(f"the browser test is required here but {missing}")
@@ -91,14 +94,18 @@ def lab(tmp_path):
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))  # no news toast over the view
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"))
     env.pop("PYTEST_CURRENT_TEST", None)  # as a user's server: ipykernel captures fds again
+    app_class = "LabApp" if app == "jupyterlab" else "JupyterNotebookApp"
+    # JupyterLab only: no calls out (Notebook 7's config shim rejects these).
+    quiet = ["--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"] if app == "jupyterlab" else []
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+        [sys.executable, "-m", app, "--no-browser", "--allow-root", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-         "--LabApp.extension_manager=readonly",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         # Exposes window.jupyterapp, whose commands run the cells.
+         f"--{app_class}.expose_app_in_browser=True", *quiet],
         env=env, stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    path = "lab/tree" if app == "jupyterlab" else "notebooks"
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -107,14 +114,14 @@ def lab(tmp_path):
                 break
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    raise AssertionError("JupyterLab did not start:\n" + (tmp_path / "server.log").read_text())
+                    raise AssertionError(f"{app} did not start:\n" + (tmp_path / "server.log").read_text())
                 time.sleep(0.2)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 def open_notebook(name: str):
                     page = browser.new_page(viewport={"width": 1280, "height": 1100})
-                    page.goto(f"{base}/lab/tree/{name}?token={token}")
+                    page.goto(f"{base}/{path}/{name}?token={token}")
                     page.wait_for_function(
                         "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
                         " const k = w && w.sessionContext && w.sessionContext.session"
@@ -132,6 +139,18 @@ def lab(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.fixture
+def lab(tmp_path):
+    with _serve(tmp_path, "jupyterlab") as open_notebook:
+        yield open_notebook
+
+
+@pytest.fixture
+def notebook7(tmp_path):
+    with _serve(tmp_path, "notebook") as open_notebook:
+        yield open_notebook
 
 
 def _run_all(page) -> None:
@@ -197,12 +216,12 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     assert shot_taken
 
 
-def test_quickstart_tutorial_in_jupyterlab(lab, tmp_path):
+def test_quickstart_tutorial_in_notebook7(notebook7, tmp_path):
     shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path)
-    page = lab("01_quickstart.ipynb")
+    page = notebook7("01_quickstart.ipynb")
     _run_all(page)
     view = _wait_finished(page, ranks=2)
     assert view["header"].startswith("nblaunch: finished"), view
     assert view["bars"] == [["finished", 1.0]] * 2 and view["lines"] == 2, view
     page.wait_for_selector("text=loss went down on every rank: True", timeout=30_000)
-    page.screenshot(path=str(_artifacts() / "jupyterlab-quickstart.png"), full_page=True)
+    page.screenshot(path=str(_artifacts() / "notebook7-quickstart.png"), full_page=True)
