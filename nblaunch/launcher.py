@@ -34,8 +34,10 @@ class LaunchResults(list):
     rank's full output was kept: ``log_dir`` and ``log_files`` (one per rank,
     in the same order)."""
 
-    log_dir: str = ""
-    log_files: list = []
+    def __init__(self, results, log_dir: str, log_files: list):
+        super().__init__(results)
+        self.log_dir = log_dir
+        self.log_files = log_files
 
 
 def notebook_launcher(
@@ -170,11 +172,10 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
                             stall_warning=stall_warning)
     outcome = "failed"
     try:
-        results = LaunchResults(supervisor.run())
+        results = supervisor.run()
         outcome = "finished"
-        results.log_dir = str(log_dir)
-        results.log_files = [str(log_dir / f"rank{view.state.label(i)}.log") for i in range(num_processes)]
-        return results
+        return LaunchResults(results, str(log_dir),
+                             [str(log_dir / f"rank{view.state.label(i)}.log") for i in range(num_processes)])
     except KeyboardInterrupt:
         outcome = "interrupted"
         raise
