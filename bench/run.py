@@ -238,6 +238,8 @@ def measure_spawn(reps) -> dict:
     kernel = BenchKernel()
     try:
         kernel.run(SETUP + f"BENCH_DIR = {str(HERE)!r}\n" + SPAWN_SETUP)
+        print("  torch spawn with a notebook-defined function: expected to fail; its ranks' "
+              "tracebacks below come from that", file=sys.stderr, flush=True)
         text = kernel.run("print('ERROR', torch_spawn_notebook_fn_error(2))", timeout=120)
         error = text.split("ERROR ", 1)[1].strip()
         kernel.seconds("launch_nblaunch_spawn(2)")  # warm-up, as for the others

@@ -132,13 +132,13 @@ def notebook_launcher(
     ctx = multiprocessing.get_context(method)
     global_method = multiprocessing.get_start_method(allow_none=True)
     notices = [reason] if reason else []
+    specs_base = dict(
+        world_size=num_processes, local_world_size=num_processes, master_addr=addr,
+        kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
+        pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
+        run_id=rdzv_id if num_nodes > 1 else "none")
     try:
         for attempt in range(max_restarts + 1):
-            specs_base = dict(
-                world_size=num_processes, local_world_size=num_processes, master_addr=addr,
-                kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
-                pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
-                run_id=rdzv_id if num_nodes > 1 else "none")
             try:
                 return _attempt(ctx, method, job, group, attempt, specs_base, num_processes,
                                 resolved_backend, display, notices, timeout, stall_warning)
