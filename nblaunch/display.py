@@ -305,6 +305,14 @@ def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
 _PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]
 
 
+def _legend(series: dict[int, list], most: int = 8) -> str:
+    """``rank 0 1 2 3``, each number in its line's colour (the rest on hover)."""
+    ranks = sorted(series)
+    shown = "".join(f"<tspan fill='{_PALETTE[r % len(_PALETTE)]}' font-weight='bold'> {r}</tspan>"
+                    for r in ranks[:most])
+    return "rank" + shown + (" ..." if len(ranks) > most else "")
+
+
 def _svg_chart(name: str, series: dict[int, list], width: int = 360, height: int = 140) -> str:
     """A line per rank, drawn as inline SVG (no plotting library, no custom JS)."""
     points = [p for pts in series.values() for p in pts]
@@ -321,7 +329,7 @@ def _svg_chart(name: str, series: dict[int, list], width: int = 360, height: int
                      f"stroke-width='1.5' points='{path}'><title>rank {rank}</title></polyline>")
     return (f"<svg class='nblaunch-chart' width='{width}' height='{height}' "
             f"style='display:inline-block;margin-right:1em'>"
-            f"<text x='40' y='12' font-size='12'>{html.escape(name)} (rank lines)</text>"
+            f"<text x='40' y='12' font-size='12'>{html.escape(name)} &#160; {_legend(series)}</text>"
             f"<text x='2' y='{height - 20}' font-size='10'>{y0:.3g}</text>"
             f"<text x='2' y='24' font-size='10'>{y1:.3g}</text>"
             f"<text x='40' y='{height - 4}' font-size='10'>step {x0}</text>"

@@ -47,6 +47,8 @@ def train(steps=60):
         loss = ((x @ w - x.sum(1)) ** 2).mean()
         opt.zero_grad(); loss.backward(); opt.step()
         log(loss=loss.item())
+        if step % 20 == 0:
+            print(f"step {step}: loss {loss.item():.3f}")
         time.sleep(0.06)
     return dist.get_rank()
 """
@@ -57,7 +59,9 @@ READ_VIEW = """() => {
   const bars = Array.from(document.querySelectorAll('.nblaunch-rank'))
       .map(e => [e.dataset.status, parseFloat(e.dataset.fraction)]);
   const lines = document.querySelectorAll('svg.nblaunch-chart polyline').length;
-  return {header: header.length ? header[header.length - 1] : null, bars, lines};
+  const text = document.body.innerText;
+  const logged = [0, 1, 2, 3].filter(r => text.includes(`[rank ${r}] step 40: loss`));
+  return {header: header.length ? header[header.length - 1] : null, bars, lines, logged};
 }"""
 
 
@@ -206,6 +210,7 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     assert final["header"].startswith("nblaunch: finished"), final
     assert final["bars"] == [["finished", 1.0]] * 4  # one bar per rank, each at 100%
     assert final["lines"] == 4  # the loss chart: a line per rank
+    assert final["logged"] == [0, 1, 2, 3]  # the log pane: every rank's printed lines, tagged
     # Live, not only at the end: while running, bars part-way and a loss curve
     # already drawn, and the bars moved between redraws.
     running = [v for v in snapshots if (v["header"] or "").startswith("nblaunch: running")]
