@@ -299,7 +299,8 @@ def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
             f"<code style='width:6em'>{html.escape(label)}</code>"
             f"<div style='width:40%;height:12px;background:#eee;border-radius:3px'>"
             f"<div style='width:{100 * fraction:.1f}%;height:100%;background:{color};border-radius:3px'></div></div>"
-            f"<code>{html.escape(text)}</code></div>")
+            # The failed rank is the one to find: its line in the failure colour.
+            f"<code style='color:{color if status == 'failed' else 'inherit'}'>{html.escape(text)}</code></div>")
 
 
 _PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]

@@ -51,6 +51,12 @@ def train(steps=60):
             print(f"step {step}: loss {loss.item():.3f}")
         time.sleep(0.06)
     return dist.get_rank()
+
+def fail_on_2():
+    import torch.distributed as dist
+    if dist.get_rank() == 2:
+        raise ValueError("rank two gives up")
+    dist.barrier()
 """
 
 READ_VIEW = """() => {
@@ -182,7 +188,8 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(LIVE_TRAIN),
                 nbformat.v4.new_code_cell("results = notebook_launcher(train, num_processes=4)"),
-                nbformat.v4.new_code_cell("print('results:', results)")]
+                nbformat.v4.new_code_cell("print('results:', results)"),
+                nbformat.v4.new_code_cell("notebook_launcher(fail_on_2, num_processes=4)")]
     # A kernelspec, or JupyterLab asks which kernel to start.
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, tmp_path / "live.ipynb")
@@ -219,6 +226,15 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     means = {round(sum(f for _, f in v["bars"]) / len(v["bars"]), 2) for v in running if v["bars"]}
     assert len(means) >= 3, f"the bars did not move while running: {sorted(means)}"
     assert shot_taken
+
+    # Then a launch that fails: its view ends red, naming the rank, and the
+    # cell shows the one error with that rank's own traceback.
+    page.wait_for_selector("text=WorkerError: rank 2 raised ValueError: rank two gives up", timeout=60_000)
+    page.wait_for_selector("text=Traceback from rank 2", timeout=10_000)
+    failed = page.evaluate(READ_VIEW)
+    assert failed["header"].startswith("nblaunch: failed"), failed
+    assert [status for status, _ in failed["bars"][4:]] == ["stopped", "stopped", "failed", "stopped"], failed
+    page.locator(".jp-Cell").last.screenshot(path=str(_artifacts() / "jupyterlab-failed-launch.png"))
 
 
 def test_quickstart_tutorial_in_notebook7(notebook7, tmp_path):
