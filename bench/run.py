@@ -174,10 +174,12 @@ def measure_relaunch(reps) -> dict:
 
 
 FAILURE_SETUP = r'''
+import contextlib, io, tempfile
 import signal as _signal
 
 def _raise_on_1(stamp_dir):
-    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         time.sleep(0.3)
         open(f"{stamp_dir}/t", "w").write(repr(time.time()))
@@ -185,23 +187,48 @@ def _raise_on_1(stamp_dir):
     dist.all_reduce(torch.ones(1))
 
 def _kill_1(stamp_dir):
-    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         time.sleep(0.3)
         open(f"{stamp_dir}/t", "w").write(repr(time.time()))
         os.kill(os.getpid(), _signal.SIGKILL)
     dist.all_reduce(torch.ones(1))
 
-def failure_latency(kind):
-    """Seconds from the failure inside rank 1 to the exception in the cell."""
-    import tempfile
-    from nblaunch import notebook_launcher, WorkerError
+def _torch_fail_rank(index, n, port, fn, stamp_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(n))
+    fn(stamp_dir)
+
+def _blamed(exc):
+    """The rank the launcher's exception names as the one that failed."""
+    if hasattr(exc, "error_index"):  # torch.multiprocessing
+        return exc.error_index
+    if hasattr(exc, "get_first_failure"):  # torch elastic's ChildFailedError (accelerate)
+        return exc.get_first_failure()[0]
+    return getattr(exc, "rank", None)  # nblaunch
+
+def failure_latency(kind, launcher):
+    """Seconds from the failure inside rank 1 (rank 0 blocked in all_reduce)
+    to the exception in the cell, and the rank that exception names."""
+    from nblaunch import notebook_launcher
+    from accelerate import notebook_launcher as accelerate_launcher
     d = tempfile.mkdtemp()
+    fn = _raise_on_1 if kind == "raise" else _kill_1
     try:
-        notebook_launcher(_raise_on_1 if kind == "raise" else _kill_1, args=(d,), num_processes=2, display="none")
-    except WorkerError:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            if launcher == "nblaunch":
+                notebook_launcher(fn, args=(d,), num_processes=2, display="none")
+            elif launcher == "torch_fork":
+                tmp.start_processes(_torch_fail_rank, args=(2, _free_port(), fn, d), nprocs=2,
+                                    start_method="fork")
+            else:
+                accelerate_launcher(fn, args=(d,), num_processes=2, use_port=str(_free_port()))
+    except Exception as exc:
         caught = time.time()
-    return caught - float(open(f"{d}/t").read())
+        blamed = _blamed(exc)
+    else:
+        raise AssertionError(f"{launcher} returned although rank 1 failed")
+    return f"{caught - float(open(f'{d}/t').read())} {blamed}"
 '''
 
 
@@ -323,14 +350,24 @@ def measure_memory(mib: int, n: int) -> dict:
 
 
 def measure_failure(reps) -> dict:
-    """Rank raises / rank SIGKILLed -> the cell raises, in a kernel (nblaunch)."""
+    """Rank raises / rank SIGKILLed -> the cell raises, under each launcher in one kernel."""
     kernel = BenchKernel()
     try:
         kernel.run(SETUP + FAILURE_SETUP)
-        kernel.seconds("launch_nblaunch(2)")  # warm
+        for name in LAUNCHERS:  # warm
+            kernel.seconds(f"launch_{name}(2)")
         out = {}
         for kind in ("raise", "sigkill"):
-            out[kind] = statistics.median(kernel.seconds(f"failure_latency({kind!r})") for _ in range(reps))
+            for name in LAUNCHERS:
+                seconds, blamed = [], set()
+                for _ in range(reps):
+                    text = kernel.run(f"print('FAILED', failure_latency({kind!r}, {name!r}))",
+                                      timeout=float(os.environ.get("BENCH_CALL_TIMEOUT", 120)))
+                    value, rank = text.split("FAILED ", 1)[1].split()
+                    seconds.append(float(value))
+                    blamed.add(rank)
+                out.setdefault(kind, {})[name] = {"median_s": statistics.median(seconds),
+                                                 "rank_named": sorted(blamed)}
         return out
     finally:
         kernel.close()
@@ -384,6 +421,17 @@ def table(summary: dict, sizes) -> str:
         lines.append(f"| {n} | {med['nblaunch'][n]:.3f} | {med['torch_fork'][n]:.3f} | "
                      f"{med['accelerate'][n]:.3f} | {ratios[n]['nblaunch/torch_fork']:.2f} | "
                      f"{ratios[n]['nblaunch/accelerate']:.2f} |")
+    return "\n".join(lines)
+
+
+def failure_table(failures: dict) -> str:
+    lines = ["| rank 1 fails, 2 ranks | " + " | ".join(LAUNCHERS) + " |", "|---" * (len(LAUNCHERS) + 1) + "|"]
+    for kind, what in (("raise", "raises"), ("sigkill", "is SIGKILLed")):
+        row = failures[kind]
+        lines.append(f"| rank 1 {what}: failure -> cell raises (s) | "
+                     + " | ".join(f"{row[name]['median_s']:.3f}" for name in LAUNCHERS) + " |")
+        lines.append(f"| rank 1 {what}: rank the error names | "
+                     + " | ".join(", ".join(row[name]["rank_named"]) for name in LAUNCHERS) + " |")
     return "\n".join(lines)
 
 
@@ -451,9 +499,8 @@ def main(argv=None) -> int:
     rl = summary["relaunch_2_ranks"]
     print(f"\nnblaunch, 2 ranks: forkserver cold {rl['cold_forkserver_s']:.3f} s, warm "
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
-    fl = summary["failure_latency_s"]
-    print(f"failure -> cell raises (nblaunch, 2 ranks): rank raises {fl['raise']:.3f} s, "
-          f"rank SIGKILLed {fl['sigkill']:.3f} s")
+    print()
+    print(failure_table(summary["failure_latency_s"]))
     sp = summary["spawn_2_ranks"]
     print(f"spawn, 2 ranks: nblaunch (notebook fn) {sp['nblaunch_spawn_notebook_fn_s']:.3f} s, torch "
           f"(importable fn) {sp['torch_spawn_module_fn_s']:.3f} s, ratio {sp['nblaunch/torch_spawn']:.2f}; "

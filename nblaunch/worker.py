@@ -72,6 +72,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     ranks' store is) once every rank has been started and the nodes have met.
     Events name the rank by its local rank: the kernel knows the rest."""
     global _current
+    _default_stop_signals()
     parent = os.getppid()
     _watch_parent(spec.kernel_pid, parent)
     _capture_output(output)
@@ -119,6 +120,21 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     if made_group:
         _destroy_group()
     _leave(0)
+
+
+def _default_stop_signals() -> None:
+    """Let SIGTERM, SIGHUP and SIGQUIT end this rank at once, whatever Python
+    handlers the kernel had. A forked rank inherits them, and some are
+    always there: torch elastic (so accelerate's launcher) leaves handlers
+    for all three in the kernel after its first launch. A Python handler only
+    runs between bytecodes, so a rank blocked in a collective would outlive
+    SIGTERM and be stopped only by the SIGKILL that follows the grace period
+    (measured: a failure took 0.33 s instead of 0.02 s to reach the cell).
+    ``fn`` may still install its own handlers."""
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def _watch_parent(kernel_pid: int, parent: int) -> None:

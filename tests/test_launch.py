@@ -202,6 +202,22 @@ def test_rank_that_raises_is_named_with_its_traceback(method):
     assert elapsed < 30  # loose safety bound; the latency itself is measured in bench/
 
 
+def test_peers_blocked_in_a_collective_stop_on_sigterm_whatever_the_kernel_handles():
+    # torch elastic (accelerate's launcher) leaves a Python SIGTERM handler in
+    # the kernel after its first launch. Inherited by a forked rank that is
+    # blocked in all_reduce, such a handler never runs: the rank would ignore
+    # SIGTERM and wait for the SIGKILL after the grace period.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with pytest.raises(WorkerError) as info:
+            notebook_launcher(fail_on_rank_1, num_processes=3, start_method="fork", display="none")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stopped = info.value.failures[1:]
+    assert [f.rank for f in stopped] == [0, 2]
+    assert [f.signal for f in stopped] == [signal.SIGTERM, signal.SIGTERM], [f.summary() for f in stopped]
+
+
 def test_rank_killed_mid_collective_is_the_root_cause_not_its_peer():
     # Rank 0 sees gloo's "Connection closed by peer" right after rank 1 dies,
     # possibly before the kernel notices the death; rank 1 is still the cause.
