@@ -387,7 +387,9 @@ class Supervisor:
             self._stop_deadline = time.monotonic() + STOP_GRACE_S
 
     def _signal_live(self, sig: int) -> None:
-        for r in self._ranks:
+        # Healthy ranks first: a failed rank waits to be stopped so that its
+        # peers do not see its sockets close, and must not go before them.
+        for r in sorted(self._ranks, key=lambda r: r.failure is not None):
             if r.exited or r.proc.pid is None:
                 continue
             if r.result is _NO_RESULT and r.failure is None:

@@ -59,16 +59,20 @@ def fail_on_2():
     dist.barrier()
 """
 
-READ_VIEW = """() => {
-  const header = Array.from(document.querySelectorAll('b')).map(b => b.textContent)
-      .filter(t => t.startsWith('nblaunch: '));
-  const bars = Array.from(document.querySelectorAll('.nblaunch-rank'))
+# One reading per launch view on the page, in page order: each view is an
+# ipywidgets VBox whose header reads "nblaunch: <state>".
+READ_VIEWS = """() => Array.from(document.querySelectorAll('.widget-vbox')).map(box => {
+  const header = Array.from(box.querySelectorAll('b')).map(b => b.textContent)
+      .find(t => t.startsWith('nblaunch: '));
+  if (!header) return null;
+  const bars = Array.from(box.querySelectorAll('.nblaunch-rank'))
       .map(e => [e.dataset.status, parseFloat(e.dataset.fraction)]);
-  const lines = document.querySelectorAll('svg.nblaunch-chart polyline').length;
-  const text = document.body.innerText;
+  const lines = box.querySelectorAll('svg.nblaunch-chart polyline').length;
+  const text = box.innerText;
   const logged = [0, 1, 2, 3].filter(r => text.includes(`[rank ${r}] step 40: loss`));
-  return {header: header.length ? header[header.length - 1] : null, bars, lines, logged};
-}"""
+  return {header, bars, lines, logged};
+}).filter(view => view !== null)"""
+NO_VIEW = {"header": None, "bars": [], "lines": 0, "logged": []}
 
 
 def _missing(app: str) -> str:
@@ -174,14 +178,26 @@ def _artifacts() -> Path:
     return path
 
 
-def _wait_finished(page, ranks: int, timeout_s: float = 120) -> dict:
+def _read(page, index: int = 0) -> dict:
+    views = page.evaluate(READ_VIEWS)
+    return views[index] if len(views) > index else NO_VIEW
+
+
+def _wait_view(page, settled, index: int = 0, timeout_s: float = 120) -> dict:
+    """Poll launch view ``index`` until ``settled(view)``; return the last
+    reading. The header and the rank rows are separate widgets whose updates
+    reach the page one after the other, so one reading can show the new
+    header above the old rows: wait for the state instead of reading it once."""
     deadline = time.monotonic() + timeout_s
-    view = page.evaluate(READ_VIEW)
-    while not (view["header"] or "").startswith(("nblaunch: finished", "nblaunch: failed")):
-        assert time.monotonic() < deadline, f"the launch did not finish in the browser: {view}"
+    view = _read(page, index)
+    while not settled(view) and time.monotonic() < deadline:
         page.wait_for_timeout(100)
-        view = page.evaluate(READ_VIEW)
+        view = _read(page, index)
     return view
+
+
+def _ended(view) -> bool:
+    return (view["header"] or "").startswith(("nblaunch: finished", "nblaunch: failed"))
 
 
 def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
@@ -199,21 +215,21 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     shot_taken = False
     deadline = time.monotonic() + 120
     while True:
-        view = page.evaluate(READ_VIEW)
+        view = _read(page)
         snapshots.append(view)
         header = view["header"] or ""
         if header.startswith("nblaunch: running") and not shot_taken and view["lines"] \
                 and any(0.3 < f < 0.8 for _, f in view["bars"]):
             page.screenshot(path=str(_artifacts() / "jupyterlab-live-view-running.png"))
             shot_taken = True
-        if header.startswith(("nblaunch: finished", "nblaunch: failed")):
+        if _ended(view):
             break
         assert time.monotonic() < deadline, f"no end in sight: {view}"
         page.wait_for_timeout(100)
     page.wait_for_selector("text=results: [0, 1, 2, 3]", timeout=30_000)
     page.screenshot(path=str(_artifacts() / "jupyterlab-live-view-finished.png"))
 
-    final = snapshots[-1]
+    final = _wait_view(page, lambda v: [s for s, _ in v["bars"]] == ["finished"] * 4, timeout_s=10)
     assert final["header"].startswith("nblaunch: finished"), final
     assert final["bars"] == [["finished", 1.0]] * 4  # one bar per rank, each at 100%
     assert final["lines"] == 4  # the loss chart: a line per rank
@@ -231,9 +247,10 @@ def test_four_ranks_train_and_the_view_moves_live(lab, tmp_path):
     # cell shows the one error with that rank's own traceback.
     page.wait_for_selector("text=WorkerError: rank 2 raised ValueError: rank two gives up", timeout=60_000)
     page.wait_for_selector("text=Traceback from rank 2", timeout=10_000)
-    failed = page.evaluate(READ_VIEW)
+    failed = _wait_view(page, lambda v: len(v["bars"]) == 4 and all(
+        status in ("stopped", "failed") for status, _ in v["bars"]), index=1, timeout_s=10)
     assert failed["header"].startswith("nblaunch: failed"), failed
-    assert [status for status, _ in failed["bars"][4:]] == ["stopped", "stopped", "failed", "stopped"], failed
+    assert [status for status, _ in failed["bars"]] == ["stopped", "stopped", "failed", "stopped"], failed
     page.locator(".jp-Cell").last.screenshot(path=str(_artifacts() / "jupyterlab-failed-launch.png"))
 
 
@@ -241,7 +258,7 @@ def test_quickstart_tutorial_in_notebook7(notebook7, tmp_path):
     shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path)
     page = notebook7("01_quickstart.ipynb")
     _run_all(page)
-    view = _wait_finished(page, ranks=2)
+    view = _wait_view(page, lambda v: _ended(v) and all(status != "running" for status, _ in v["bars"]))
     assert view["header"].startswith("nblaunch: finished"), view
     assert view["bars"] == [["finished", 1.0]] * 2 and view["lines"] == 2, view
     page.wait_for_selector("text=loss went down on every rank: True", timeout=30_000)
