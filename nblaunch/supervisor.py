@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import psutil
 
 from .channel import Failure, Metrics, Progress, Result, Started, decode
-from .errors import LaunchError, RankFailure, WorkerError
+from .errors import LaunchError, RankFailure, WorkerError, root_cause
 from .stacks import collect, format_stacks
 from .worker import WorkerSpec, run_worker
 
@@ -372,8 +372,6 @@ class Supervisor:
                 if self._remote is None:
                     time.sleep(_TICK_S)
             if self._remote is None:
-                from .errors import root_cause
-
                 self._group.publish(root_cause(failures))
         self._group.finish(succeeded=False)
         return self._remote
