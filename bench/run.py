@@ -333,8 +333,8 @@ def measure_memory(mib: int, n: int) -> dict:
     (after a warm-up launch, so a forkserver started once per kernel is in
     both readings). Each case in a fresh kernel, so one
     launcher's shared-memory choices cannot leak into the next one's numbers.
-    (The machine's available memory was tried first: other activity on the
-    machine moved it by up to 400 MiB between two readings.)"""
+    (The machine's available memory was tried first: it dropped by 400 MiB
+    across a launch whose ranks had all exited.)"""
     out = {}
     for launcher, method in MEMORY_CASES:
         kernel = BenchKernel()
