@@ -6,7 +6,7 @@ one all_reduce, return) and is timed call -> return inside the kernel.
 Launchers alternate within every repetition so drift in the machine hits all
 of them alike; we report medians and ratios, not absolute seconds.
 
-    python bench/run.py                 # full: 2, 4, 8 ranks, 7 repetitions
+    python bench/run.py                 # full: 2, 4, 8 ranks, 15 repetitions
     python bench/run.py --smoke         # CI: 2 ranks, 1 repetition, a small tensor
 
 Besides launch time: relaunch (cold and warm forkserver), failure latency,
@@ -29,6 +29,7 @@ from jupyter_client.manager import KernelManager
 
 HERE = Path(__file__).resolve().parent
 LAUNCHERS = ("nblaunch", "torch_fork", "accelerate")
+CALL_TIMEOUT_S = float(os.environ.get("BENCH_CALL_TIMEOUT", 120))  # one timed call, then it counts as hung
 
 # Defined in the kernel. Each launch_* runs the job on n ranks and returns the
 # seconds from call to return.
@@ -105,7 +106,7 @@ class BenchKernel:
 
     def seconds(self, call: str) -> float:
         print(f"  {call} ...", file=sys.stderr, flush=True)
-        text = self.run(f"print('SECONDS', {call})", timeout=float(os.environ.get("BENCH_CALL_TIMEOUT", 120)))
+        text = self.run(f"print('SECONDS', {call})", timeout=CALL_TIMEOUT_S)
         return float(re.findall(r"SECONDS ([0-9.e-]+)", text)[-1])
 
     def close(self):
@@ -195,10 +196,6 @@ def _kill_1(stamp_dir):
         os.kill(os.getpid(), _signal.SIGKILL)
     dist.all_reduce(torch.ones(1))
 
-def _torch_fail_rank(index, n, port, fn, stamp_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(n))
-    fn(stamp_dir)
-
 def _blamed(exc):
     """The rank the launcher's exception names as the one that failed."""
     if hasattr(exc, "error_index"):  # torch.multiprocessing
@@ -219,7 +216,7 @@ def failure_latency(kind, launcher):
             if launcher == "nblaunch":
                 notebook_launcher(fn, args=(d,), num_processes=2, display="none")
             elif launcher == "torch_fork":
-                tmp.start_processes(_torch_fail_rank, args=(2, _free_port(), fn, d), nprocs=2,
+                tmp.start_processes(jobs.torch_rank, args=(2, _free_port(), fn, d), nprocs=2,
                                     start_method="fork")
             else:
                 accelerate_launcher(fn, args=(d,), num_processes=2, use_port=str(_free_port()))
@@ -232,11 +229,10 @@ def failure_latency(kind, launcher):
 '''
 
 
-SPAWN_SETUP = r'''
-import sys
-sys.path.insert(0, BENCH_DIR)
-import jobs
+# The importable rank functions (bench/jobs.py), for the kernel.
+JOBS_SETUP = f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport jobs\n"
 
+SPAWN_SETUP = r'''
 def launch_nblaunch_spawn(n):
     from nblaunch import notebook_launcher
     t = time.perf_counter()
@@ -252,8 +248,7 @@ def torch_spawn_notebook_fn_error(n):
     try:
         tmp.start_processes(_torch_rank, args=(n, _free_port()), nprocs=n, start_method="spawn")
     except Exception as exc:
-        lines = [l for l in str(exc).splitlines() if "Error" in l]
-        return (lines[-1] if lines else repr(exc)).strip()
+        return repr(exc)  # the cause is printed by the ranks, to the kernel's terminal
     return None
 '''
 
@@ -264,7 +259,7 @@ def measure_spawn(reps) -> dict:
     notebook-defined one: the error is recorded)."""
     kernel = BenchKernel()
     try:
-        kernel.run(SETUP + f"BENCH_DIR = {str(HERE)!r}\n" + SPAWN_SETUP)
+        kernel.run(SETUP + JOBS_SETUP + SPAWN_SETUP)
         print("  torch spawn with a notebook-defined function: expected to fail; its ranks' "
               "tracebacks below come from that", file=sys.stderr, flush=True)
         text = kernel.run("print('ERROR', torch_spawn_notebook_fn_error(2))", timeout=120)
@@ -339,7 +334,7 @@ def measure_memory(mib: int, n: int) -> dict:
     for launcher, method in MEMORY_CASES:
         kernel = BenchKernel()
         try:
-            kernel.run(SETUP + f"BENCH_DIR = {str(HERE)!r}\n" + SPAWN_SETUP + MEMORY_SETUP)
+            kernel.run(SETUP + JOBS_SETUP + MEMORY_SETUP)
             kernel.run(f"_make_big({mib})")
             print(f"  memory {launcher} {method} ...", file=sys.stderr, flush=True)
             text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
@@ -353,7 +348,7 @@ def measure_failure(reps) -> dict:
     """Rank raises / rank SIGKILLed -> the cell raises, under each launcher in one kernel."""
     kernel = BenchKernel()
     try:
-        kernel.run(SETUP + FAILURE_SETUP)
+        kernel.run(SETUP + JOBS_SETUP + FAILURE_SETUP)
         for name in LAUNCHERS:  # warm
             kernel.seconds(f"launch_{name}(2)")
         out = {}
@@ -362,7 +357,7 @@ def measure_failure(reps) -> dict:
                 seconds, blamed = [], set()
                 for _ in range(reps):
                     text = kernel.run(f"print('FAILED', failure_latency({kind!r}, {name!r}))",
-                                      timeout=float(os.environ.get("BENCH_CALL_TIMEOUT", 120)))
+                                      timeout=CALL_TIMEOUT_S)
                     value, rank = text.split("FAILED ", 1)[1].split()
                     seconds.append(float(value))
                     blamed.add(rank)
@@ -495,7 +490,7 @@ def main(argv=None) -> int:
         print("launch cost per added rank: " + ", ".join(
             f"{name} {1000 * s:.1f} ms" for name, s in summary["per_added_rank_s"].items()))
     if times["hangs"]:
-        print(f"hung (timed out after {os.environ.get('BENCH_CALL_TIMEOUT', 120)} s, not counted): {times['hangs']}")
+        print(f"hung (timed out after {CALL_TIMEOUT_S:g} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
     print(f"\nnblaunch, 2 ranks: forkserver cold {rl['cold_forkserver_s']:.3f} s, warm "
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")

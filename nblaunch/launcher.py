@@ -174,8 +174,7 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
     try:
         results = supervisor.run()
         outcome = "finished"
-        return LaunchResults(results, str(log_dir),
-                             [str(log_dir / f"rank{view.state.label(i)}.log") for i in range(num_processes)])
+        return LaunchResults(results, str(log_dir), supervisor.log_files)
     except KeyboardInterrupt:
         outcome = "interrupted"
         raise

@@ -167,7 +167,7 @@ class Supervisor:
         for r in self._ranks:
             r.global_rank = p.first_rank + r.rank
             r.node = p.node_rank if multi else None
-            r.log = open(self._log_dir / f"rank{r.global_rank}.log", "wb")
+            r.log = open(self._log_path(r), "wb")
             place = {"rank": r.global_rank, "world_size": p.world_size, "group_rank": p.node_rank,
                      "num_nodes": p.num_nodes, "master_addr": p.master_addr, "master_port": p.master_port,
                      "restart_count": self._attempt}
@@ -177,6 +177,14 @@ class Supervisor:
                 pass  # that rank already died; its sentinel will tell
             r.go.close()
         self._display.show()
+
+    def _log_path(self, r: _Rank) -> Path:
+        return self._log_dir / f"rank{r.global_rank}.log"
+
+    @property
+    def log_files(self) -> list[str]:
+        """Each rank's full output, in local-rank order (once placed)."""
+        return [str(self._log_path(r)) for r in self._ranks]
 
     def _join(self):
         """``group.join`` in a helper thread, so that the cell's thread stays
