@@ -57,6 +57,7 @@ class Progress:
     total: Optional[int]
     closed: bool
     time: float
+    postfix: str = ""  # a tqdm bar's postfix ("loss=0.12, lr=1e-3")
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import collections
 import html
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
+
+from . import ansi
 
 __all__ = ["LaunchState", "TextDisplay", "WidgetDisplay", "make_display"]
 
@@ -26,38 +29,94 @@ MAX_RATE = 10.0
 MAX_LINES_PER_S = 1000
 STATUS_EVERY_S = 10.0
 MAX_POINTS = 2000
-LOG_TAIL = 40
+LOG_TAIL = 40  # lines kept for the text summary and failure reports
+PAGE_LINES = 100  # the widget's log pane: lines per page (only the newest page is re-sent)
+MAX_PAGES = 50  # ... and pages kept (5,000 lines; the log files keep everything)
+MAX_LINE_CHARS = 2000  # longer lines are shortened in the view, never in the log file
 AGGREGATE_ABOVE = 16
+
+
+@dataclass
+class BarState:
+    """One progress bar of a rank (a ``progress`` or a tqdm bar)."""
+
+    desc: str = ""
+    n: float = 0
+    total: Optional[float] = None
+    postfix: str = ""
+    closed: bool = False
+    first_seen: Optional[tuple[float, float]] = None  # (rank's time, n) the rate is measured from
+    moved_at: float = 0.0  # the rank's time of the latest change
+    last_change: float = 0.0  # the kernel's monotonic time of the latest change (stall warnings)
+    reported_at: float = 0.0  # the rank's time of its latest report (closing included)
+
+    def rate(self) -> Optional[float]:
+        """Items per second from the first report to the latest change, on
+        the rank's clock (the kernel receives reports in batches)."""
+        if self.first_seen is None or self.moved_at <= self.first_seen[0]:
+            return None
+        return (self.n - self.first_seen[1]) / (self.moved_at - self.first_seen[0])
+
+    def text(self) -> str:
+        label = f"{self.desc} " if self.desc else ""
+        return f"{label}{_count(self.n)}/{_count(self.total)}" if self.total else f"{label}{_count(self.n)}"
+
+
+def _count(n: float) -> str:
+    return str(int(n)) if float(n).is_integer() else f"{n:.4g}"
 
 
 @dataclass
 class RankState:
     status: str = "starting"
-    desc: str = ""
-    n: int = 0
-    total: Optional[int] = None
-    first_seen: Optional[tuple[float, int]] = None  # (time, n) of its first progress report
-    last_change: float = 0.0
+    bars: dict = field(default_factory=dict)  # key -> BarState, in the order the rank opened them
     metrics: dict = field(default_factory=dict)
 
-    def rate(self, now: float) -> Optional[float]:
-        """Items per second from the first report to the latest change."""
-        if self.first_seen is None or self.last_change <= self.first_seen[0]:
-            return None
-        return (self.n - self.first_seen[1]) / (self.last_change - self.first_seen[0])
+    @property
+    def current(self) -> Optional[BarState]:
+        """The bar the row shows: the newest open one (the inner loop of
+        epoch + batch bars), else the one that closed last (the outer loop,
+        which closes after its inner one)."""
+        open_bars = [b for b in self.bars.values() if not b.closed]
+        if open_bars:
+            return open_bars[-1]
+        return max(self.bars.values(), key=lambda b: b.reported_at, default=None)
 
-    def line(self, rank: int, now: float) -> str:
-        parts = [f"rank {rank} {self.status}"]
-        if self.total or self.n:
-            label = f"{self.desc} " if self.desc else ""
-            parts.append(f"{label}{self.n}/{self.total}" if self.total else f"{label}{self.n}")
-            rate = self.rate(now)
+    @property
+    def last_change(self) -> float:
+        return max((b.last_change for b in self.bars.values()), default=0.0)
+
+    @property
+    def n(self) -> float:
+        return self.current.n if self.current else 0
+
+    @property
+    def total(self) -> Optional[float]:
+        return self.current.total if self.current else None
+
+    @property
+    def desc(self) -> str:
+        return self.current.desc if self.current else ""
+
+    def detail(self) -> str:
+        """Status, bars, rate, ETA (running rows only) and metrics: a row's text."""
+        parts = [self.status]
+        bar = self.current
+        if bar is not None and (bar.total or bar.n):
+            outer = [b.text() for b in self.bars.values() if not b.closed and b is not bar]
+            parts.append(" \u00b7 ".join(outer + [bar.text()]))
+            rate = bar.rate()
             if rate:
-                parts.append(f"{rate:.1f} it/s")
-                if self.total and self.n < self.total:
-                    parts.append(f"ETA {(self.total - self.n) / rate:.0f} s")
+                parts.append(f"{rate:.3g} it/s" if rate < 100 else f"{rate:.0f} it/s")
+                if self.status == "running" and bar.total and bar.n < bar.total and not bar.closed:
+                    parts.append(f"ETA {(bar.total - bar.n) / rate:.0f} s")
+            if bar.postfix:
+                parts.append(bar.postfix)
         parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
         return " ".join(parts)
+
+    def line(self, rank: int, now: float = 0.0) -> str:
+        return f"rank {rank} {self.detail()}"
 
 
 class LaunchState:
@@ -105,13 +164,15 @@ class LaunchState:
         self.changed = True
 
     def progress(self, event) -> None:
-        r = self.ranks[event.rank]
+        bar = self.ranks[event.rank].bars.setdefault(event.key, BarState())
         now = time.monotonic()
-        if r.first_seen is None or event.desc != r.desc:
-            r.first_seen = (now, event.n)
-        if event.n != r.n or event.total != r.total:
-            r.last_change = now
-        r.desc, r.n, r.total = event.desc, event.n, event.total
+        if bar.first_seen is None or event.desc != bar.desc or event.n < bar.n:
+            bar.first_seen = (event.time, event.n)  # a new bar, or one reset for the next epoch
+        if event.n != bar.n or event.total != bar.total:
+            bar.last_change, bar.moved_at = now, event.time
+        bar.desc, bar.n, bar.total, bar.closed = event.desc, event.n, event.total, event.closed
+        bar.reported_at = event.time
+        bar.postfix = getattr(event, "postfix", "")
         self.changed = True
 
     def metrics(self, event) -> None:
@@ -147,6 +208,7 @@ class TextDisplay:
         self._window = (0.0, 0)  # (start, lines shown) of the current one-second window
         self._last_write = 0.0
         self._last_status = time.monotonic()
+        self._strip: Optional[bool] = None  # strip ANSI escapes (decided on first output)
 
     @property
     def stream(self) -> TextIO:
@@ -160,6 +222,11 @@ class TextDisplay:
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
+        lines = [clip(line) for line in lines]
+        if self._strip is None:
+            self._strip = not _renders_colour(self.stream)
+        if self._strip:
+            lines = [ansi.strip(line) for line in lines]
         self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
         now = time.monotonic()
         start, count = self._window if now - self._window[0] < 1.0 else (now, 0)
@@ -168,6 +235,10 @@ class TextDisplay:
         self._window = (start, count + len(shown))
         self._pending.extend(f"[rank {rank}] {line}\n" for line in shown)
         self._hidden[rank] += len(hidden)
+
+    def rank_live(self, rank: int, text: Optional[str]) -> None:
+        """The line a rank is rewriting with carriage returns (or has not
+        ended yet); None once it ended. Text shows whole lines only."""
 
     def notice(self, text: str) -> None:
         self.state.notices.append(text)
@@ -204,9 +275,15 @@ class TextDisplay:
 class WidgetDisplay(TextDisplay):
     """An ipywidgets view in the cell; rank output goes to its log pane.
 
-    Four HTML widgets in a VBox, the rank rows drawn as HTML bars: creating
+    HTML widgets in a VBox, the rank rows drawn as HTML bars: creating
     widgets costs ~0.5 ms each in the kernel (each brings its own layout and
     style models), and this view is built on every launch's critical path.
+
+    The log pane is a scrolling box of pages of ``PAGE_LINES`` lines: a
+    redraw re-sends only the newest page (and the lines being rewritten with
+    carriage returns), so thousands of kept lines cost nothing per redraw;
+    the oldest pages go beyond ``MAX_PAGES``. It is laid out bottom-up
+    (``column-reverse``), which keeps the newest line in sight as it grows.
     """
 
     def __init__(self, show: bool = True):
@@ -214,6 +291,12 @@ class WidgetDisplay(TextDisplay):
         self._display_it = show
         self.box = None
         self._last_draw = 0.0
+        self._new_lines: list[str] = []  # HTML lines not yet on a page
+        self._page_lines: list[str] = []  # the newest page's HTML lines
+        self._pages: list = []  # page widgets, oldest first
+        self._dropped = 0  # lines in pages dropped beyond MAX_PAGES
+        self._live: dict[int, str] = {}  # rank -> the line it is rewriting
+        self._live_changed = False
 
     def show(self) -> None:
         """Build and display the widgets. The supervisor calls this right
@@ -223,8 +306,11 @@ class WidgetDisplay(TextDisplay):
             return
         import ipywidgets as w
 
-        self.header, self.rows, self.chart, self.log = (w.HTML() for _ in range(4))
-        self.box = w.VBox([self.header, self.rows, self.chart, self.log])
+        self._w = w
+        self.header, self.rows, self.chart, self.live, self.footer = (w.HTML() for _ in range(5))
+        self.pane = w.VBox([self.live], layout=w.Layout(
+            flex_flow="column-reverse", max_height="22em", overflow="auto"))
+        self.box = w.VBox([self.header, self.rows, self.chart, self.pane, self.footer])
         self.state.changed = True
         self._draw()
         if self._display_it:
@@ -232,10 +318,28 @@ class WidgetDisplay(TextDisplay):
 
             display(self.box)
 
+    @property
+    def log_html(self) -> str:
+        """Every line the pane holds now, oldest first (for tests and the static copy)."""
+        pages = [p.value for p in self._pages]
+        return "".join(pages) + self.live.value if self.box is not None else ""
+
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
-        self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
-        self.state.changed = True
+        lines = [clip(line) for line in lines]
+        self.state.tail.extend(f"[rank {rank}] {ansi.strip(line)}" for line in lines)
+        tag = f"<span style='color:{_PALETTE[rank % len(_PALETTE)]}'>[rank {rank}]</span> "
+        self._new_lines.extend(tag + ansi.to_html(line) for line in lines)
+        if self._live.pop(rank, None) is not None:
+            self._live_changed = True
+
+    def rank_live(self, rank: int, text: Optional[str]) -> None:
+        rank = self.state.label(rank)
+        if text is None or not text.strip():
+            self._live_changed |= self._live.pop(rank, None) is not None
+        elif self._live.get(rank) != text:
+            self._live[rank] = clip(text)
+            self._live_changed = True
 
     def notice(self, text: str) -> None:
         self.state.notices.append(text)
@@ -250,6 +354,8 @@ class WidgetDisplay(TextDisplay):
     def close(self, state: str) -> None:
         self.state.state = state
         self.show()  # a launch that failed before its ranks started still gets its view
+        self._live.clear()
+        self._live_changed = True
         self.state.changed = True
         self._draw()
 
@@ -263,11 +369,11 @@ class WidgetDisplay(TextDisplay):
             f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.where}, "
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
             + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
+        self._draw_log()
         if not st.changed:
             return
         st.changed = False
-        now = time.monotonic()
-        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.line(st.label(i), now))
+        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail())
                 for i, r in enumerate(st.ranks)]
         if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
             mean = sum(_fraction(r) for r in st.ranks) / len(st.ranks)
@@ -277,9 +383,57 @@ class WidgetDisplay(TextDisplay):
                     "<details><summary>per-rank detail</summary>" + "".join(rows) + "</details>"]
         self.rows.value = "<div class='nblaunch-ranks'>" + "".join(rows) + "</div>"
         self.chart.value = "".join(_svg_chart(name, series) for name, series in list(st.series.items())[:3])
-        self.log.value = ("<pre style='max-height:14em;overflow:auto;font-size:85%'>"
-                          + html.escape("\n".join(st.tail)) + "</pre>"
-                          + f"<small>full output: <code>{html.escape(st.log_dir)}</code></small>")
+        dropped = (f"{self._dropped:,} earlier lines are only in the log files; " if self._dropped else "")
+        self.footer.value = f"<small>{dropped}full output: <code>{html.escape(st.log_dir)}</code></small>"
+
+    def _draw_log(self) -> None:
+        if self._new_lines:
+            new, self._new_lines = self._new_lines, []
+            while new:
+                if not self._pages or len(self._page_lines) >= PAGE_LINES:
+                    self._new_page()
+                room = PAGE_LINES - len(self._page_lines)
+                self._page_lines += new[:room]
+                new = new[room:]
+                self._pages[-1].value = _PAGE_OPEN + "\n".join(self._page_lines) + "</pre>"
+        if self._live_changed:
+            self._live_changed = False
+            self.live.value = (_PAGE_OPEN.replace("margin:0", "margin:0;opacity:0.75") + "\n".join(
+                f"<span style='color:{_PALETTE[r % len(_PALETTE)]}'>[rank {r}]</span> {ansi.to_html(t)}"
+                for r, t in sorted(self._live.items())) + "</pre>") if self._live else ""
+
+    def _new_page(self) -> None:
+        self._page_lines = []
+        page = self._w.HTML()
+        self._pages.append(page)
+        if len(self._pages) > MAX_PAGES:
+            old = self._pages.pop(0)
+            self._dropped += PAGE_LINES
+            self.state.changed = True
+            old.close()
+        # column-reverse: the first child is drawn at the bottom.
+        self.pane.children = [self.live, *reversed(self._pages)]
+
+
+_PAGE_OPEN = "<pre class='nblaunch-log' style='margin:0;font-size:85%;white-space:pre-wrap;word-break:break-all'>"
+
+
+def clip(line: str) -> str:
+    """A line as the view shows it: at most ``MAX_LINE_CHARS`` characters."""
+    if len(line) <= MAX_LINE_CHARS:
+        return line
+    return f"{line[:MAX_LINE_CHARS]} ... [{len(line) - MAX_LINE_CHARS:,} more characters in the log file]"
+
+
+def _renders_colour(stream) -> bool:
+    """Terminals and Jupyter front ends (which render ANSI colours in stream
+    output) keep colours; files and pipes get plain text."""
+    if _in_kernel() and type(stream).__module__.startswith("ipykernel"):
+        return True
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
 
 
 _STATE_COLOR = {"failed": "#c62828", "stopped": "#9e9e9e", "interrupted": "#ef6c00",

@@ -9,7 +9,7 @@ import sys
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
-from . import worker
+from . import rank_env, worker
 from .display import make_display
 from .errors import LaunchError, WorkerError
 from .logs import new_launch_dir
@@ -136,7 +136,8 @@ def notebook_launcher(
         world_size=num_processes, local_world_size=num_processes, master_addr=addr,
         kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
         pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
-        run_id=rdzv_id if num_nodes > 1 else "none")
+        run_id=rdzv_id if num_nodes > 1 else "none",
+        environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging())
     try:
         for attempt in range(max_restarts + 1):
             try:

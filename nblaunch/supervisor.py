@@ -37,6 +37,9 @@ __all__ = ["Supervisor", "LaunchTimeout"]
 STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only dies to SIGKILL
 REMOTE_GRACE_S = 2.0  # how long a node that only saw a peer vanish waits for the cause
 TAIL_LINES = 40
+READS_PER_PASS = 8  # 64 KiB chunks of one rank's output per pass of the watch loop
+MAX_PARTIAL_BYTES = 1 << 20  # a "line" this long without a newline is shown as it is
+MAX_LIVE_BYTES = 8192  # of an unfinished line, what the live view looks at
 _TICK_S = 0.1
 _NO_RESULT = object()
 
@@ -167,7 +170,7 @@ class Supervisor:
         for r in self._ranks:
             r.global_rank = p.first_rank + r.rank
             r.node = p.node_rank if multi else None
-            r.log = open(self._log_path(r), "wb")
+            r.log = open(self._log_path(r), "wb", buffering=0)  # on disk as it arrives: a killed kernel keeps every line
             place = {"rank": r.global_rank, "world_size": p.world_size, "group_rank": p.node_rank,
                      "num_nodes": p.num_nodes, "master_addr": p.master_addr, "master_port": p.master_port,
                      "restart_count": self._attempt}
@@ -240,12 +243,17 @@ class Supervisor:
             self._check_other_nodes()
             self._display.tick()
 
-    def _read_output(self, r: _Rank) -> None:
-        while r.output_open:
+    def _read_output(self, r: _Rank, max_reads: Optional[int] = READS_PER_PASS) -> None:
+        """Take what the rank wrote: at most ``max_reads`` chunks per pass, so
+        a flooding rank cannot keep the watch loop from its timers (None:
+        until the pipe is empty)."""
+        reads = 0
+        while r.output_open and (max_reads is None or reads < max_reads):
+            reads += 1
             try:
                 data = os.read(r.output.fileno(), 1 << 16)
             except BlockingIOError:
-                return
+                break
             except OSError:
                 data = b""
             if not data:
@@ -259,11 +267,20 @@ class Supervisor:
                 *whole, rest = r.partial.split(b"\n")
                 r.partial = bytearray(rest)
                 self._emit(r, [w.decode("utf-8", "replace") for w in whole])
+            if len(r.partial) > MAX_PARTIAL_BYTES:  # no newline in sight: show it as it is
+                self._emit(r, [r.partial.decode("utf-8", "replace")])
+                r.partial = bytearray()
+        if r.partial:
+            # The line the rank is still writing, or rewriting with \r
+            # (a progress bar that is not tqdm): shown live, as a terminal would.
+            current = r.partial[-MAX_LIVE_BYTES:].decode("utf-8", "replace").rstrip("\r").rsplit("\r", 1)[-1]
+            self._display.rank_live(r.rank, current)
 
     def _end_output(self, r: _Rank) -> None:
         if r.partial:
             self._emit(r, [r.partial.decode("utf-8", "replace")])
             r.partial = bytearray()
+        self._display.rank_live(r.rank, None)
 
     def _emit(self, r: _Rank, lines: list[str]) -> None:
         # What a terminal would show of a line rewritten with carriage returns.
@@ -296,7 +313,7 @@ class Supervisor:
     def _on_exit(self, r: _Rank) -> None:
         r.proc.join()
         self._read_events(r)
-        self._read_output(r)
+        self._read_output(r, max_reads=None)
         self._end_output(r)
         r.exited = True
         code = r.proc.exitcode

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from . import progress, stacks
+from . import progress, rank_env, stacks
 from .channel import EventSender, Failure, Result, Started
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
@@ -57,6 +57,10 @@ class WorkerSpec:
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str = "none"
+    # What the rank recreates of the kernel (see rank_env): its environment
+    # at launch time (None: this process's own) and its root logging set-up.
+    environ: Optional[dict] = None
+    logging_setup: tuple = ()
 
 
 def current_spec() -> Optional[WorkerSpec]:
@@ -75,7 +79,9 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     _default_stop_signals()
     parent = os.getppid()
     _watch_parent(spec.kernel_pid, parent)
-    _capture_output(output)
+    old_streams = _capture_output(output)
+    rank_env.become_rank(spec.environ if spec.environ is not None else rank_env.rank_environ(),
+                         old_streams, spec.logging_setup, forked=_forked(job))
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)
@@ -174,10 +180,17 @@ def _watch_parent(kernel_pid: int, parent: int) -> None:
     threading.Thread(target=poll, name="nblaunch-parent-watch", daemon=True).start()
 
 
-def _capture_output(output: Connection) -> None:
+def _forked(job: Any) -> bool:
+    """A forked rank inherits the job as objects; other ranks get it packed."""
+    return isinstance(job, tuple)
+
+
+def _capture_output(output: Connection) -> tuple:
     """Point fds 1 and 2 at the kernel's output pipe for this rank, and give
     Python line-buffered streams on them (the kernel's own streams, inherited
-    through fork, would talk to the kernel's sockets)."""
+    through fork, would talk to the kernel's sockets). Returns the streams
+    ``sys.stdout``/``sys.stderr`` were before."""
+    old = (sys.stdout, sys.stderr)
     fd = output.fileno()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -194,6 +207,7 @@ def _capture_output(output: Connection) -> None:
     sys.stderr = sys.__stderr__ = stream(2)
     sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    return old
 
 
 def _torchrun_env(spec: WorkerSpec) -> dict[str, str]:
@@ -245,7 +259,7 @@ def _setup_torch(spec: WorkerSpec) -> bool:
 
 
 def _load(job: Any) -> tuple:
-    return job if isinstance(job, tuple) else job.load()
+    return job if _forked(job) else job.load()
 
 
 def _dump_result(rank: int, value: Any) -> bytes:

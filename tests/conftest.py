@@ -1,8 +1,11 @@
 """Shared fixtures: real Jupyter kernels, and a guard that no test leaves a process behind."""
 from __future__ import annotations
 
+import html
 import os
 import queue
+import re
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -75,12 +78,18 @@ class CellResult:
 class Kernel:
     """A real IPython kernel (the environment's own Python) and a client."""
 
-    def __init__(self, extra_env: dict | None = None):
+    def __init__(self, extra_env: dict | None = None, console: str | None = None):
+        """``console``: a file that gets the kernel process's own stdout and
+        stderr (what a Jupyter server would log)."""
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
         env.update(extra_env or {})
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env)
+        if console is not None:
+            self._console = open(console, "wb")
+            self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT)
+        else:
+            self.km.start_kernel(env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
@@ -146,6 +155,44 @@ class Kernel:
         self.kc.stop_channels()
         if self.km.is_alive():
             self.km.shutdown_kernel(now=True)
+        if getattr(self, "_console", None) is not None:
+            self._console.close()
+
+
+@dataclass
+class RowsUpdate:
+    """One redraw of a launch view's rank rows, as the front end received it."""
+
+    time: float  # the kernel's send time, seconds since the epoch
+    rows: list  # per rank: (status, fraction, text)
+
+
+_ROW = re.compile(r"class='nblaunch-rank' data-status='([\w ]+)' data-fraction='([\d.]+)'.*?"
+                  r"<code style='color:[^']*'>(.*?)</code></div>", re.S)
+
+
+def rows_updates(outputs: list) -> list[RowsUpdate]:
+    """The rank-row redraws among a cell's iopub messages, in order."""
+    updates = []
+    for msg in outputs:
+        if msg["msg_type"] != "comm_msg":
+            continue
+        value = msg["content"]["data"].get("state", {}).get("value", "")
+        if isinstance(value, str) and "class='nblaunch-ranks'" in value:
+            rows = [(status, float(frac), html.unescape(text)) for status, frac, text in _ROW.findall(value)]
+            updates.append(RowsUpdate(msg["header"]["date"].timestamp(), rows))
+    return updates
+
+
+def widget_html(outputs: list) -> list[str]:
+    """Every HTML value the cell's widgets were given, in order."""
+    values = []
+    for msg in outputs:
+        if msg["msg_type"] in ("comm_msg", "comm_open"):
+            value = msg["content"]["data"].get("state", {}).get("value")
+            if isinstance(value, str):
+                values.append(value)
+    return values
 
 
 @pytest.fixture

@@ -43,7 +43,9 @@ def test_widget_view_shows_every_rank_finished_with_metrics(tmp_path):
     bars = re.findall(r"class='nblaunch-rank' data-status='(\w+)' data-fraction='([\d.]+)'", html)
     assert bars == [("finished", "1.000"), ("finished", "1.000")]  # one bar per rank, at 100%
     assert "nblaunch: finished" in html
-    assert "rank 0 finished train 40/40" in html and "rank 1 finished train 40/40" in html
+    rows = re.findall(r"<code style='width:6em'>(rank \d)</code>.*?<code style='[^']*'>(.*?)</code>", html)
+    assert [label for label, _ in rows] == ["rank 0", "rank 1"]  # one label per row
+    assert all(text.startswith("finished train 40/40") for _, text in rows), rows
     assert "loss=0.025" in html and "lr=0.1" in html
     assert "<svg class='nblaunch-chart'" in html and "<polyline" in html  # the loss curve
     assert "[0, 1]" in nb.cells[2].outputs[0]["text"]
