@@ -1,7 +1,11 @@
 """What progress()/log() cost a training loop.
 
 1. Per-iteration cost of ``nblaunch.progress`` inside a launch (the reporter
-   thread running) against one ``tqdm`` iteration, side by side in a rank.
+   thread running) against one ``tqdm`` iteration, side by side in a rank:
+   a tqdm bar on the rank's stderr (mirrored into the rank's row, its text
+   silenced) and one writing to a file (left alone: drawing text as usual).
+   Also what making a rank look like a torchrun rank costs at its start
+   (``rank_env``) with torch, transformers and Lightning already imported.
 2. A 2-rank DDP MLP loop calling ``progress`` and ``log`` every step under
    nblaunch, against the same loop without them under torch.multiprocessing
    fork. Only the loop is timed (inside the ranks), medians over alternating
@@ -40,9 +44,25 @@ def per_iteration(n: int) -> dict:
     out = {}
     for name, make in [("bare loop", lambda: range(n)),
                        ("nblaunch.progress", lambda: progress(range(n))),
-                       ("tqdm", lambda: tqdm(range(n), file=sink, mininterval=0.1))]:
+                       ("tqdm, mirrored to the row", lambda: tqdm(range(n), mininterval=0.1)),
+                       ("tqdm, drawing text", lambda: tqdm(range(n), file=sink, mininterval=0.1))]:
         out[name] = min(timed(make) for _ in range(5))
     return out
+
+
+def rank_setup_ms() -> float:
+    """The part of ``rank_env.become_rank`` that grows with what is imported:
+    the walk over loaded modules and loggers."""
+    import pytorch_lightning  # noqa: F401
+    import transformers.trainer  # noqa: F401
+
+    from nblaunch import rank_env
+
+    t = time.perf_counter()
+    for _ in range(5):
+        rank_env._fix_import_time_answers()
+        rank_env._repoint_logging((sys.stdout, sys.stderr))
+    return (time.perf_counter() - t) / 5 * 1e3
 
 
 def _loop(steps: int, report: bool) -> float:
@@ -115,16 +135,19 @@ def main(argv=None) -> int:
     from nblaunch import notebook_launcher
 
     iters = notebook_launcher(per_iteration, args=(n,), num_processes=1, display="none")[0]
+    setup_ms = notebook_launcher(rank_setup_ms, num_processes=1, display="none")[0]
     loop = loop_overhead(steps, reps)
     print("per-iteration cost inside a rank (ns):")
     for name, ns in iters.items():
-        print(f"  {name:18s} {ns:8.1f}")
+        print(f"  {name:26s} {ns:8.1f}")
+    print(f"rank set-up walk (torch, transformers, Lightning imported): {setup_ms:.2f} ms")
     print(f"2-rank DDP loop, {steps} steps: nblaunch with progress+log {loop['nblaunch_with_progress_log_s']:.3f} s, "
           f"torch fork plain {loop['torch_fork_plain_s']:.3f} s (ratio {loop['ratio']:.3f}); "
           f"nblaunch plain {loop['nblaunch_plain_s']:.3f} s (ratio {loop['ratio_same_launcher']:.3f})")
     if not opts.smoke:
         (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "overhead.json").write_text(json.dumps({"per_iteration_ns": iters, "loop": loop}, indent=2))
+        (HERE / "results" / "overhead.json").write_text(json.dumps({"per_iteration_ns": iters, "rank_setup_ms": setup_ms,
+                                                                      "loop": loop}, indent=2))
     return 0
 
 

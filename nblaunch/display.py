@@ -26,7 +26,8 @@ from . import ansi
 __all__ = ["LaunchState", "TextDisplay", "WidgetDisplay", "make_display"]
 
 MAX_RATE = 10.0
-MAX_LINES_PER_S = 1000
+MAX_LINES_PER_S = 1000  # sustained, over all ranks; bursts up to a screenful more (below)
+MAX_BYTES_PER_S = 256 << 10  # well under Jupyter's IOPub limit (1 MB/s averaged over 3 s)
 STATUS_EVERY_S = 10.0
 MAX_POINTS = 2000
 LOG_TAIL = 40  # lines kept for the text summary and failure reports
@@ -195,9 +196,24 @@ class LaunchState:
         return any(r.total or r.n or r.metrics for r in self.ranks)
 
 
+class _Budget:
+    """A token bucket: ``rate`` a second, at most ``burst`` saved up."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst, self.tokens = rate, burst, burst
+        self._t = time.monotonic()
+
+    def refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self._t) * self.rate)
+        self._t = now
+
+
 class TextDisplay:
     """Plain text: ``[rank N] line`` per line, a status line now and then,
     and a final summary. ``show_status=False`` prints rank output only."""
+
+    BURST_LINES = MAX_LINES_PER_S
 
     def __init__(self, stream: Optional[TextIO] = None, show_status: bool = True):
         self.state = LaunchState()
@@ -205,7 +221,8 @@ class TextDisplay:
         self._show_status = show_status
         self._pending: list[str] = []
         self._hidden: collections.Counter = collections.Counter()
-        self._window = (0.0, 0)  # (start, lines shown) of the current one-second window
+        self._lines = _Budget(MAX_LINES_PER_S, burst=self.BURST_LINES)
+        self._bytes = _Budget(MAX_BYTES_PER_S, burst=4 * MAX_BYTES_PER_S)
         self._last_write = 0.0
         self._last_status = time.monotonic()
         self._strip: Optional[bool] = None  # strip ANSI escapes (decided on first output)
@@ -222,19 +239,37 @@ class TextDisplay:
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
-        lines = [clip(line) for line in lines]
         if self._strip is None:
             self._strip = not _renders_colour(self.stream)
+        shown = [clip(line) for line in self._admit(rank, lines)]
         if self._strip:
-            lines = [ansi.strip(line) for line in lines]
-        self.state.tail.extend(f"[rank {rank}] {line}" for line in lines)
-        now = time.monotonic()
-        start, count = self._window if now - self._window[0] < 1.0 else (now, 0)
-        room = max(0, MAX_LINES_PER_S - count)
-        shown, hidden = lines[:room], lines[room:]
-        self._window = (start, count + len(shown))
+            shown = [ansi.strip(line) for line in shown]
         self._pending.extend(f"[rank {rank}] {line}\n" for line in shown)
-        self._hidden[rank] += len(hidden)
+
+    def _admit(self, rank: int, lines: list[str]) -> list[str]:
+        """The lines to show of those a rank wrote: ``MAX_LINES_PER_S`` and
+        ``MAX_BYTES_PER_S`` sustained over all ranks, with a burst allowance;
+        the rest are counted and named in a notice (the log files keep them)."""
+        self.state.tail.extend(f"[rank {rank}] {ansi.strip(clip(line))}" for line in lines[-LOG_TAIL:])
+        self._lines.refill()
+        self._bytes.refill()
+        shown = []
+        for line in lines:
+            cost = min(len(line), MAX_LINE_CHARS) + 40  # the tag and markup around it
+            if self._lines.tokens < 1 or self._bytes.tokens < cost:
+                break
+            self._lines.tokens -= 1
+            self._bytes.tokens -= cost
+            shown.append(line)
+        self._hidden[rank] += len(lines) - len(shown)
+        return shown
+
+    def _hidden_notices(self) -> list[str]:
+        notices = [f"[nblaunch] rank {rank}: {count} more lines not shown here; "
+                   f"all are in {self.state.log_dir}/rank{rank}.log"
+                   for rank, count in sorted(self._hidden.items()) if count]
+        self._hidden.clear()
+        return notices
 
     def rank_live(self, rank: int, text: Optional[str]) -> None:
         """The line a rank is rewriting with carriage returns (or has not
@@ -254,11 +289,7 @@ class TextDisplay:
             self.flush()
 
     def flush(self) -> None:
-        for rank, count in sorted(self._hidden.items()):
-            if count:
-                self._pending.append(f"[nblaunch] rank {rank}: {count} more lines not shown here; "
-                                     f"all are in {self.state.log_dir}/rank{rank}.log\n")
-        self._hidden.clear()
+        self._pending.extend(f"{notice}\n" for notice in self._hidden_notices())
         if self._pending:
             text, self._pending = "".join(self._pending), []
             self.stream.write(text)
@@ -285,6 +316,8 @@ class WidgetDisplay(TextDisplay):
     the oldest pages go beyond ``MAX_PAGES``. It is laid out bottom-up
     (``column-reverse``), which keeps the newest line in sight as it grows.
     """
+
+    BURST_LINES = PAGE_LINES * MAX_PAGES  # a whole pane at once: a short script's output in full
 
     def __init__(self, show: bool = True):
         super().__init__(show_status=False)
@@ -326,10 +359,8 @@ class WidgetDisplay(TextDisplay):
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
-        lines = [clip(line) for line in lines]
-        self.state.tail.extend(f"[rank {rank}] {ansi.strip(line)}" for line in lines)
         tag = f"<span style='color:{_PALETTE[rank % len(_PALETTE)]}'>[rank {rank}]</span> "
-        self._new_lines.extend(tag + ansi.to_html(line) for line in lines)
+        self._new_lines.extend(tag + ansi.to_html(clip(line)) for line in self._admit(rank, lines))
         if self._live.pop(rank, None) is not None:
             self._live_changed = True
 
@@ -387,6 +418,7 @@ class WidgetDisplay(TextDisplay):
         self.footer.value = f"<small>{dropped}full output: <code>{html.escape(st.log_dir)}</code></small>"
 
     def _draw_log(self) -> None:
+        self._new_lines += [f"<span style='color:#ef6c00'>{html.escape(n)}</span>" for n in self._hidden_notices()]
         if self._new_lines:
             new, self._new_lines = self._new_lines, []
             while new:
@@ -404,13 +436,13 @@ class WidgetDisplay(TextDisplay):
 
     def _new_page(self) -> None:
         self._page_lines = []
-        page = self._w.HTML()
-        self._pages.append(page)
-        if len(self._pages) > MAX_PAGES:
-            old = self._pages.pop(0)
+        if len(self._pages) < MAX_PAGES:
+            page = self._w.HTML()
+        else:  # the oldest page's widget becomes the newest page
+            page = self._pages.pop(0)
             self._dropped += PAGE_LINES
             self.state.changed = True
-            old.close()
+        self._pages.append(page)
         # column-reverse: the first child is drawn at the bottom.
         self.pane.children = [self.live, *reversed(self._pages)]
 

@@ -35,6 +35,11 @@ from .worker import WorkerSpec, run_worker
 __all__ = ["Supervisor", "LaunchTimeout"]
 
 STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only dies to SIGKILL
+# A failure that is only a consequence of a peer's (gloo's "Connection closed
+# by peer") often arrives before its cause: the dead peer's sentinel or its
+# exception report. Stopping the ranks at once would make the cause look
+# like one of the stopped; the verdict waits this long for it.
+CONSEQUENCE_HOLD_S = 0.2
 REMOTE_GRACE_S = 2.0  # how long a node that only saw a peer vanish waits for the cause
 TAIL_LINES = 40
 READS_PER_PASS = 8  # 64 KiB chunks of one rank's output per pass of the watch loop
@@ -64,6 +69,10 @@ class _Rank:
     failure: Optional[RankFailure] = None
     exited: bool = False
     stopped: bool = False  # nblaunch sent it a signal
+    signals_sent: set = field(default_factory=set)
+    # Every process of its tree nblaunch has seen: a child that outlives
+    # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
+    tree: dict = field(default_factory=dict)
     events_open: bool = True
     output_open: bool = True
 
@@ -95,6 +104,7 @@ class Supervisor:
         self._log_dir = log_dir
         self._timeout = timeout
         self._stop_deadline: Optional[float] = None
+        self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
         self._release = threading.Event()  # set: the starter thread may end
         self._started = threading.Event()  # set: the starter thread has started every rank
         self._starter: Optional[threading.Thread] = None
@@ -232,8 +242,11 @@ class Supervisor:
                 if not rank.exited:
                     handler(rank)
             now = time.monotonic()
+            if self._stop_at is not None and now >= self._stop_at:
+                self._begin_stop()
             if self._stop_deadline is not None and now >= self._stop_deadline:
                 self._signal_live(signal.SIGKILL)
+                self._kill_orphans()
                 self._stop_deadline = float("inf")
             if self._timeout is not None and now - t0 > self._timeout:
                 raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; "
@@ -327,7 +340,9 @@ class Supervisor:
     def _death(self, r: _Rank, code: int) -> RankFailure:
         tail = tuple(r.tail)
         now = time.time()
-        if r.stopped:
+        # Stopped by us, unless it died of a signal we never sent (a segfault,
+        # or a SIGKILL from elsewhere between our SIGTERM and our SIGKILL).
+        if r.stopped and not (code < 0 and -code not in r.signals_sent):
             return r.failure_at("stopped", now, exitcode=code, signal=-code if code < 0 else None,
                                 last_lines=tail)
         if code < 0:
@@ -363,8 +378,11 @@ class Supervisor:
     # -- other nodes -------------------------------------------------------------
 
     def _on_failure(self, failure: RankFailure) -> None:
-        if not failure.is_consequence:
-            self._group.publish(failure)  # the other nodes stop within a poll
+        if failure.is_consequence:
+            if self._stop_at is None:
+                self._stop_at = time.monotonic() + CONSEQUENCE_HOLD_S
+            return
+        self._group.publish(failure)  # the other nodes stop within a poll
         self._begin_stop()
 
     def _check_other_nodes(self) -> None:
@@ -413,11 +431,13 @@ class Supervisor:
         # Healthy ranks first: a failed rank waits to be stopped so that its
         # peers do not see its sockets close, and must not go before them.
         for r in sorted(self._ranks, key=lambda r: r.failure is not None):
-            if r.exited or r.proc.pid is None:
+            # exitcode reaps a rank that died on its own: its death is its own failure.
+            if r.exited or r.proc.pid is None or r.proc.exitcode is not None:
                 continue
             if r.result is _NO_RESULT and r.failure is None:
                 r.stopped = True
-            _signal_tree(r.proc.pid, sig)
+            r.signals_sent.add(sig)
+            _signal_tree(r.proc.pid, sig, r.tree)
 
     def _stop(self, grace: float) -> None:
         """Stop every rank now (interrupt, timeout, internal error)."""
@@ -429,6 +449,14 @@ class Supervisor:
                     r.proc.join(max(0.0, deadline - time.monotonic()))
             self._signal_live(signal.SIGKILL)
 
+    def _kill_orphans(self) -> None:
+        for r in self._ranks:
+            for proc in r.tree.values():
+                try:
+                    proc.kill()  # psutil checks the pid still names the same process
+                except psutil.Error:
+                    pass
+
     def _cleanup(self) -> None:
         try:
             if self._starter is not None:
@@ -436,8 +464,13 @@ class Supervisor:
                 self._started.wait()  # ... and none in flight
             for r in self._ranks:
                 if r.proc.pid is not None and r.proc.exitcode is None:
-                    _signal_tree(r.proc.pid, signal.SIGKILL)
+                    _signal_tree(r.proc.pid, signal.SIGKILL, r.tree)
                     r.proc.join()
+            self._kill_orphans()
+            for r in self._ranks:  # what a stopped rank printed last: to its log and the view
+                if r.output_open:
+                    self._read_output(r, max_reads=64)
+                    self._end_output(r)
         finally:
             self._release.set()
             if self._starter is not None:
@@ -485,14 +518,17 @@ def _failure_from_event(r: _Rank, event: Failure) -> RankFailure:
                         exception=exception, exitcode=1)  # the worker's exit code after a report
 
 
-def _signal_tree(pid: int, sig: int) -> None:
-    """Signal a rank and every process it started (DataLoader workers...)."""
+def _signal_tree(pid: int, sig: int, seen: Optional[dict] = None) -> None:
+    """Signal a rank and every process it started (DataLoader workers...),
+    noting each in ``seen`` (pid -> psutil.Process)."""
     try:
         procs = [psutil.Process(pid)]
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         procs = []
     for proc in reversed(procs):
+        if seen is not None:
+            seen.setdefault(proc.pid, proc)
         try:
             proc.send_signal(sig)
         except psutil.Error:

@@ -30,6 +30,7 @@ from .channel import EventSender, Failure, Result, Started
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _PARENT_POLL_S = 0.2
 _LINGER_AFTER_FAILURE_S = 2.0
 
@@ -148,7 +149,11 @@ def _watch_parent(kernel_pid: int, parent: int) -> None:
     parent that died before the signal was armed (or a forkserver parent)."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            # Orphans of what fn starts (a double fork, a daemon) become this
+            # rank's children rather than init's, so the rank can end them.
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
         except (OSError, AttributeError):
             pass
 
@@ -303,7 +308,7 @@ def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> N
         rank=rank,
         time=time.time(),
         exc_type=type(exc).__qualname__,
-        message=str(exc),
+        message=_safe_str(exc),
         traceback=_format_user_traceback(exc),
         exception=pickled,
         phase=phase,
@@ -316,13 +321,25 @@ def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> N
         sys.stderr.write(failure.traceback)
 
 
+def _safe_str(exc: BaseException) -> str:
+    """``str(exc)``, even for an exception whose ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<str() of the exception failed: {type(inner).__name__}: {inner}>"
+
+
 def _format_user_traceback(exc: BaseException) -> str:
     """The traceback as the user would see it running fn in the cell: the
     frames of this module, above fn, are left out."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:  # a __str__ that raises: the frames still tell where
+        frames = "".join(traceback.format_list(traceback.extract_tb(tb)))
+        return f"Traceback (most recent call last):\n{frames}{type(exc).__qualname__}: {_safe_str(exc)}\n"
 
 
 def _destroy_group() -> None:
@@ -332,10 +349,41 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
+def _end_children() -> None:
+    """A rank's processes end with it, as under torchrun's process group
+    kill: whatever fn started and left running (a server, a `sleep`, a
+    daemon that is now our child as we are its subreaper)."""
+    import psutil
+
+    for _ in range(5):  # a killed child's own orphans come to us next
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        if not children:
+            return
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(children, timeout=1.0)
+
+
 def _leave(code: int) -> None:
+    try:
+        _end_children()
+    except Exception:
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+    # C stdio too: printf from a C extension sits in libc's buffer (fully
+    # buffered on a pipe), which os._exit would throw away.
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)

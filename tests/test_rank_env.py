@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import textwrap
 
 import psutil
@@ -351,8 +352,9 @@ def test_coloured_output_shows_as_colour_never_as_escapes(nb, method):
     assert "<span style='font-weight:bold'>bold</span>" in shown
 
 
-def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(nb):
-    reply = nb.execute(textwrap.dedent("""
+def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(nb, tmp_path):
+    reply = nb.execute(textwrap.dedent(f"""
+        os.chdir({str(tmp_path)!r})   # the script writes its check files in the working directory
         from accelerate.test_utils.scripts.test_script import main
         out = notebook_launcher(main, num_processes=2)
         lines = [l for f in out.log_files for l in open(f).read().splitlines() if l.strip()]
@@ -363,3 +365,64 @@ def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(nb):
     shown = html.unescape(" ".join(widget_html(reply.outputs)))
     missing = [line for line in lines if line.strip() not in shown]
     assert missing == [], missing[:5]
+
+
+def _final_values(outputs: list) -> dict:
+    """Each widget's last HTML value (comm id -> value)."""
+    last = {}
+    for msg in outputs:
+        if msg["msg_type"] in ("comm_msg", "comm_open"):
+            value = msg["content"]["data"].get("state", {}).get("value")
+            if isinstance(value, str):
+                last[msg["content"]["comm_id"]] = value
+    return last
+
+
+CHATTY = """
+def chatty(n):
+    import torch.distributed as dist
+    for i in range(n):
+        print(f"line {i} of rank {dist.get_rank()}")
+    return n
+"""
+
+
+def test_the_log_pane_keeps_thousands_of_lines_and_tells_ranks_apart(nb):
+    reply = nb.execute(CHATTY + 'notebook_launcher(chatty, args=(1500,), num_processes=2)')
+    assert reply.error is None, reply.error
+    pane = "".join(v for v in _final_values(reply.outputs).values() if "class='nblaunch-log'" in v)
+    text = html.unescape(re.sub(r"<[^>]+>", "", pane))
+    for rank in (0, 1):
+        assert all(f"[rank {rank}] line {i} of rank {rank}" in text for i in range(1500))
+    assert "<span style='color:#1565c0'>[rank 0]</span>" in pane  # each rank's tag in its chart colour
+    assert "<span style='color:#c62828'>[rank 1]</span>" in pane
+    # The pane is paged: no single update re-sent more than one page of lines.
+    biggest = max(len(v) for v in widget_html(reply.outputs) if "class='nblaunch-log'" in v)
+    assert biggest < 120 * 80, biggest  # ~65 bytes a line here
+
+
+CARRIAGE = """
+def carriage():
+    import sys, time
+    for i in range(30):
+        sys.stdout.write(f"\\rdownloading {i + 1}/30")
+        sys.stdout.flush()
+        time.sleep(0.05)
+    sys.stdout.write("\\n")
+    print("x" * 100_000)      # one giant line
+    return "ok"
+"""
+
+
+def test_a_line_rewritten_with_carriage_returns_shows_live_and_giant_lines_are_shortened(nb):
+    reply = nb.execute(CARRIAGE + 'out = notebook_launcher(carriage, num_processes=1)\n'
+                                  'print(len(open(out.log_files[0]).read()))')
+    assert reply.error is None, reply.error
+    values = widget_html(reply.outputs)
+    live = [re.search(r"downloading (\d+)/30", v) for v in values if "opacity:0.75" in v]
+    seen = {int(m.group(1)) for m in live if m}
+    assert len(seen) >= 4, seen  # the current line moved while the rank wrote it
+    pane = "".join(v for v in _final_values(reply.outputs).values() if "class='nblaunch-log'" in v)
+    assert "downloading 30/30" in pane and "downloading 29/30" not in pane  # one line, as a terminal shows
+    assert "[98,000 more characters in the log file]" in pane
+    assert int(reply.stdout.split()[-1]) > 100_000  # the log file keeps the whole line

@@ -1,0 +1,71 @@
+"""The view's pieces without a process: ANSI rendering, which bar a row shows,
+what a row says, and text mode's plain output."""
+from __future__ import annotations
+
+import io
+
+from nblaunch import ansi
+from nblaunch.channel import Progress
+from nblaunch.display import LaunchState, TextDisplay, clip
+
+
+def test_sgr_colours_become_spans_and_other_escapes_vanish():
+    assert ansi.to_html("\x1b[35mpurple\x1b[0m <b>") == "<span style='color:#bc3fbc'>purple</span> &lt;b&gt;"
+    assert ansi.to_html("\x1b[1;31mbold red\x1b[22m red\x1b[39m plain") == (
+        "<span style='font-weight:bold;color:#cd3131'>bold red</span>"
+        "<span style='color:#cd3131'> red</span> plain")
+    assert ansi.to_html("\x1b[38;5;196mx\x1b[0m") == "<span style='color:#ff0000'>x</span>"
+    assert ansi.to_html("\x1b[38;2;1;2;3mx") == "<span style='color:#010203'>x</span>"
+    assert ansi.to_html("\x1b[2K\x1b[1Aup\x1b]0;title\x07") == "up"
+    assert ansi.strip("\x1b[35m━━━\x1b[0m 50%\x1b[?25l") == "━━━ 50%"
+
+
+def _state(*bars) -> LaunchState:
+    st = LaunchState()
+    st.begin(1, "fork", "gloo", "/tmp/x")
+    st.set_rank(0, "running")
+    for event in bars:
+        st.progress(event)
+    return st
+
+
+def test_a_row_shows_the_inner_bar_with_the_outer_one_beside_it():
+    st = _state(Progress(0, 1, "epoch", 1, 3, False, 10.0),
+                Progress(0, 2, "batch", 0, 100, False, 10.0),
+                Progress(0, 2, "batch", 50, 100, False, 11.0, "loss=0.5"))
+    row = st.ranks[0]
+    assert row.current.desc == "batch" and row.n == 50
+    assert row.detail() == "running epoch 1/3 \u00b7 batch 50/100 50 it/s ETA 1 s loss=0.5"
+
+
+def test_when_every_bar_closed_the_row_keeps_the_one_that_closed_last():
+    st = _state(Progress(0, 1, "epoch", 0, 2, False, 10.0),
+                Progress(0, 2, "batch", 40, 40, True, 11.0),  # inner closed first...
+                Progress(0, 1, "epoch", 2, 2, True, 11.5))  # ... then the outer loop
+    st.set_rank(0, "finished")
+    assert st.ranks[0].detail().startswith("finished epoch 2/2")
+
+
+def test_a_row_that_is_not_running_shows_no_eta():
+    st = _state(Progress(0, 1, "train", 0, 100, False, 10.0), Progress(0, 1, "train", 10, 100, False, 11.0))
+    assert "ETA" in st.ranks[0].detail()
+    for status in ("failed", "stopped", "finished"):
+        st.set_rank(0, status)
+        assert "ETA" not in st.ranks[0].detail()
+
+
+def test_a_bar_reset_for_the_next_epoch_measures_its_rate_afresh():
+    st = _state(Progress(0, 1, "train", 0, 100, False, 10.0), Progress(0, 1, "train", 100, 100, False, 11.0),
+                Progress(0, 1, "train", 0, 100, False, 20.0), Progress(0, 1, "train", 20, 100, False, 30.0))
+    assert st.ranks[0].current.rate() == 2.0  # not (120 items / 20 s)
+
+
+def test_text_mode_writes_plain_text_to_a_file_and_shortens_giant_lines():
+    out = io.StringIO()
+    view = TextDisplay(stream=out)
+    view.begin(1, "fork", "gloo", "/tmp/x")
+    view.rank_lines(0, ["\x1b[31mred\x1b[0m", "y" * 5000])
+    view.flush()
+    text = out.getvalue()
+    assert "[rank 0] red\n" in text and "\x1b" not in text
+    assert f"[rank 0] {clip('y' * 5000)}\n" in text and "[3,000 more characters in the log file]" in text
