@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["Started", "Result", "Failure", "Progress", "Metrics", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "Started", "Result", "Failure", "Progress", "Metrics", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,17 @@ class Started:
 
 @dataclass(frozen=True)
 class Result:
+    """``payload`` is fn's return value pickled with torch's sharing
+    reductions: tensor storages travel as shared memory, fetched from the
+    rank when the kernel unpickles it (the rank waits for ``RELEASE`` on its
+    go pipe before leaving). ``shared``: bytes of tensor data in shared memory."""
+
     rank: int
-    payload: bytes  # the pickled return value of fn
+    payload: bytes
+    shared: int = 0
+
+
+RELEASE = "release"  # kernel -> rank, on the go pipe: the result was taken
 
 
 @dataclass(frozen=True)

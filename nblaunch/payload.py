@@ -51,6 +51,11 @@ class _SharingPickler(cloudpickle.Pickler):
                               cloudpickle.Pickler.dispatch_table)
 
 
+def sharing_pickler(file) -> cloudpickle.Pickler:
+    """A cloudpickle pickler that sends tensors through shared memory."""
+    return _SharingPickler(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 class _DryRunPickler(cloudpickle.Pickler):
     """Pickles everything except tensor data, to find what cannot be sent
     without paying for serialising gigabytes."""

@@ -27,10 +27,10 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import psutil
 
-from .channel import Failure, Metrics, Progress, Result, Started, decode
+from .channel import RELEASE, Failure, Metrics, Progress, Result, Started, decode
 from .errors import LaunchError, RankFailure, WorkerError, root_cause
 from .stacks import collect, format_stacks
-from .worker import WorkerSpec, run_worker
+from .worker import WorkerSpec, max_result_bytes, run_worker
 
 __all__ = ["Supervisor", "LaunchTimeout"]
 
@@ -104,6 +104,7 @@ class Supervisor:
         self._log_dir = log_dir
         self._timeout = timeout
         self._stop_deadline: Optional[float] = None
+        self._result_bytes = 0  # results received so far, all ranks
         self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
         self._release = threading.Event()  # set: the starter thread may end
         self._started = threading.Event()  # set: the starter thread has started every rank
@@ -188,7 +189,6 @@ class Supervisor:
                 r.go.send(place)
             except OSError:
                 pass  # that rank already died; its sentinel will tell
-            r.go.close()
         self._display.show()
 
     def _log_path(self, r: _Rank) -> Path:
@@ -314,14 +314,40 @@ class Supervisor:
             elif isinstance(event, Metrics):
                 state.metrics(event)
             elif isinstance(event, Result):
-                r.result = event.payload
-                state.set_rank(r.rank, "finished")
+                self._take_result(r, event)
             elif isinstance(event, Failure):
                 r.failure = _failure_from_event(r, event)
                 state.set_rank(r.rank, "failed")
                 self._on_failure(r.failure)
             elif isinstance(event, Started):
                 state.set_rank(r.rank, "running")
+
+    def _take_result(self, r: _Rank, event: Result) -> None:
+        """Unpickle a result as it arrives (its tensors' shared memory is
+        fetched from the rank now), tell the rank it may leave, and keep the
+        total within the limit: the kernel holds every rank's result."""
+        self._result_bytes += len(event.payload) + event.shared
+        limit = max_result_bytes()
+        try:
+            if self._result_bytes > limit:
+                raise ValueError(
+                    f"the results received so far total {self._result_bytes:,} bytes, over the "
+                    f"{limit:,}-byte limit for all ranks together (NBLAUNCH_MAX_RESULT_BYTES). "
+                    "Return something smaller, or save large outputs to disk and return their paths.")
+            r.result = pickle.loads(event.payload)
+        except Exception as exc:
+            why = str(exc) if isinstance(exc, ValueError) and "NBLAUNCH_MAX_RESULT_BYTES" in str(exc) else (
+                f"the result of rank {r.global_rank} could not be unpickled in the kernel: {exc}")
+            r.failure = r.failure_at("exception", time.time(), exc_type=type(exc).__qualname__, message=why)
+            self._display.state.set_rank(r.rank, "failed")
+            self._on_failure(r.failure)
+        else:
+            self._display.state.set_rank(r.rank, "finished")
+        finally:
+            try:
+                r.go.send(RELEASE)
+            except OSError:
+                pass
 
     def _on_exit(self, r: _Rank) -> None:
         r.proc.join()
@@ -488,15 +514,7 @@ class Supervisor:
 
     def _outcome(self) -> list:
         failures = [r.failure for r in self._ranks if r.failure is not None]
-        results = []
-        if not failures:
-            for r in self._ranks:
-                try:
-                    results.append(pickle.loads(r.result))
-                except Exception as exc:
-                    failures.append(r.failure_at(
-                        "exception", time.time(), exc_type=type(exc).__qualname__,
-                        message=f"the result of rank {r.global_rank} could not be unpickled in the kernel: {exc}"))
+        results = [] if failures else [r.result for r in self._ranks]
         remote = self._settle_with_other_nodes(failures)
         if remote is not None:
             failures.append(remote)

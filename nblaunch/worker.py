@@ -33,6 +33,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PARENT_POLL_S = 0.2
 _LINGER_AFTER_FAILURE_S = 2.0
+_RELEASE_TIMEOUT_S = 600.0
 
 _current: Optional["WorkerSpec"] = None
 
@@ -92,8 +93,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     made_group = False
     try:
         os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
-        spec = dataclasses.replace(spec, **go.recv())
-        go.close()
+        spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE
         _current = spec
         os.environ.update(_torchrun_env(spec))
         os.environ.update(spec.env)
@@ -109,10 +109,14 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                 raise
             value = None
         phase = "result"
-        payload = _dump_result(spec.rank, value)
-        _check_size(spec.rank, value, payload)
+        payload, shared = _dump_result(spec.rank, value)
+        _check_size(spec.rank, value, len(payload) + shared)
         progress._finish()
-        sender.send(Result(local, payload))
+        sender.send(Result(local, payload, shared))
+        if shared:
+            # The kernel fetches the shared memory from this process while
+            # it unpickles; it says when it is done (or dies, and so do we).
+            go.poll(_RELEASE_TIMEOUT_S)
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
         try:
             progress._finish()
@@ -267,20 +271,62 @@ def _load(job: Any) -> tuple:
     return job if _forked(job) else job.load()
 
 
-def _dump_result(rank: int, value: Any) -> bytes:
+def _dump_result(rank: int, value: Any) -> tuple[bytes, int]:
+    """``(payload, bytes of tensor data put in shared memory)``. Tensors go
+    through torch's own multiprocessing reductions (as ``args`` do under
+    spawn), so a 512 MB state_dict is never pickled into bytes, here or in
+    the kernel."""
+    from multiprocessing.reduction import ForkingPickler
+
+    shared = _count_shared(ForkingPickler._extra_reducers)
     try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = io.BytesIO()
+        pickler = ForkingPickler(buf, pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = shared.table(pickler.dispatch_table)
+        pickler.dump(value)
+        return buf.getvalue(), shared.nbytes
     except Exception:
         pass
-    import cloudpickle  # classes defined in the cell, closures...
+    from .payload import sharing_pickler  # classes defined in the cell, closures...
 
+    shared = _count_shared(ForkingPickler._extra_reducers)
     try:
-        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = io.BytesIO()
+        pickler = sharing_pickler(buf)
+        pickler.dispatch_table = shared.table(pickler.dispatch_table)
+        pickler.dump(value)
+        return buf.getvalue(), shared.nbytes
     except Exception as exc:
         raise TypeError(
             f"the result of rank {rank} (a {type(value).__module__}.{type(value).__qualname__}) "
             f"cannot be pickled: {exc}"
         ) from None
+
+
+class _count_shared:
+    """Wraps torch's storage reducers to add up what they put in shared
+    memory, each storage once (a typed storage is reduced through its
+    untyped one; views share a storage)."""
+
+    def __init__(self, reducers: dict):
+        self.nbytes = 0
+        self._seen: set = set()
+        self._wrapped = {cls: self._wrap(reduce) for cls, reduce in reducers.items()
+                         if "Storage" in getattr(cls, "__name__", "")}
+
+    def _wrap(self, reduce):
+        def counted(storage):
+            untyped = getattr(storage, "_untyped_storage", storage)
+            if untyped.data_ptr() not in self._seen:
+                self._seen.add(untyped.data_ptr())
+                self.nbytes += untyped.nbytes()
+            return reduce(storage)
+        return counted
+
+    def table(self, base) -> dict:
+        table = dict(base)
+        table.update(self._wrapped)
+        return table
 
 
 def max_result_bytes() -> int:
@@ -290,11 +336,11 @@ def max_result_bytes() -> int:
     return int(os.environ.get("NBLAUNCH_MAX_RESULT_BYTES", 2 << 30))
 
 
-def _check_size(rank: int, value: Any, payload: bytes) -> None:
+def _check_size(rank: int, value: Any, size: int) -> None:
     limit = max_result_bytes()
-    if len(payload) > limit:
+    if size > limit:
         raise ValueError(
-            f"the result of rank {rank} (a {type(value).__qualname__}) pickles to {len(payload):,} bytes, "
+            f"the result of rank {rank} (a {type(value).__qualname__}) is {size:,} bytes, "
             f"over the {limit:,}-byte limit (NBLAUNCH_MAX_RESULT_BYTES). Return something smaller, "
             "or save large outputs to disk and return their paths.")
 

@@ -158,6 +158,36 @@ def test_a_result_over_the_limit_fails_that_rank_clearly(monkeypatch):
     assert info.value.rank in (0, 1)
 
 
+def tensor_result(mb):
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(dist.get_rank())
+    return {"rank": dist.get_rank(), "w": torch.randn(mb << 18)}  # mb MiB of float32
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_tensors_in_results_arrive_whole_through_shared_memory(method):
+    import torch
+
+    shm_before = set(os.listdir("/dev/shm"))
+    out = notebook_launcher(tensor_result, args=(16,), num_processes=2, start_method=method, display="none")
+    for rank, got in enumerate(out):
+        torch.manual_seed(rank)
+        assert got["rank"] == rank and torch.equal(got["w"], torch.randn(16 << 18))
+    assert out[0]["w"].untyped_storage().is_shared()  # not unpickled from bytes
+    out[0]["w"] += 1  # usable (and writable) after the ranks are gone
+    assert set(os.listdir("/dev/shm")) <= shm_before  # fd-backed: nothing named is left behind
+
+
+def test_the_result_limit_is_for_all_ranks_together(monkeypatch):
+    monkeypatch.setenv("NBLAUNCH_MAX_RESULT_BYTES", str(6 << 20))  # read at launch time, as the ranks do
+    notebook_launcher(tensor_result, args=(2,), num_processes=2, display="none")  # 2 x 2 MiB: fine
+    with pytest.raises(WorkerError) as info:
+        notebook_launcher(tensor_result, args=(4,), num_processes=2, display="none")
+    assert "for all ranks together (NBLAUNCH_MAX_RESULT_BYTES)" in str(info.value)
+
+
 class _Mark:
     """A pickle whose loading would leave a file behind."""
 
