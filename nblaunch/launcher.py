@@ -6,13 +6,14 @@ import inspect
 import multiprocessing
 import os
 import sys
+import threading
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
 from . import rank_env, worker
 from .display import make_display
 from .errors import LaunchError, WorkerError
-from .logs import new_launch_dir
+from .logs import new_launch_dir, release_launch_dir
 from .nodes import NodeGroup, SingleNode, route_address
 from .payload import CloudJob, check_sendable
 from .supervisor import LaunchTimeout, Supervisor
@@ -26,6 +27,13 @@ RDZV_BACKENDS = ("c10d", "static")
 MAX_PROCESSES = 256
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
+
+# One launch at a time per process. Two at once (cells run from threads)
+# hung 1 time in 10 to 90: a rank forked while the other launch's store
+# thread held glibc's resolver lock deadlocks in getnameinfo (seen with gdb),
+# and every fork of every launch would have to wait for every other's
+# threads to be quiet. A second launch is refused at once instead.
+_one_launch = threading.Lock()
 
 
 class LaunchResults(list):
@@ -104,10 +112,28 @@ def notebook_launcher(
     endpoint = _validate_nodes(num_nodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id,
                                rdzv_timeout, max_restarts)
     addr = _node_address(master_addr, endpoint)
+    _validate_settings(addr)
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
             "launch; nested launches are not supported. Call it from the notebook instead.")
+    if not _one_launch.acquire(blocking=False):
+        raise LaunchError(
+            "another launch is running in this kernel (started from another thread); nblaunch runs "
+            "one launch per kernel at a time, since forking ranks while another launch's threads run "
+            "can deadlock them. Wait for it to return, or put both jobs in one fn.")
+    try:
+        return _launch(fn, args, kwargs, num_processes, start_method, backend, init_process_group,
+                       threads_per_rank, timeout, display, stall_warning, num_nodes, node_rank,
+                       rdzv_endpoint, rdzv_backend, rdzv_id, rdzv_timeout, max_restarts, addr)
+    finally:
+        _one_launch.release()
+
+
+def _launch(fn, args, kwargs, num_processes, start_method, backend, init_process_group, threads_per_rank,
+            timeout, display, stall_warning, num_nodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id,
+            rdzv_timeout, max_restarts, addr) -> list:
+    """The validated launch, one attempt per restart."""
     method, reason = choose_start_method(start_method)
     resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
     threads = threads_per_rank or default_threads(num_processes)
@@ -161,13 +187,13 @@ def notebook_launcher(
 def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolved_backend,
              display, notices, timeout, stall_warning) -> list:
     """One start of every local rank, with its own view and log folder."""
-    log_dir = new_launch_dir()
+    log_dir, log_notice = new_launch_dir()
     specs = [worker.WorkerSpec(rank=local, local_rank=local, restart_count=attempt,
                                stack_file=str(log_dir / f"local{local}.stacks"), **specs_base)
              for local in range(num_processes)]
     view = make_display(display)
     view.begin(num_processes, method, resolved_backend or "", str(log_dir))
-    for text in notices:
+    for text in notices + ([log_notice] if log_notice else []):
         view.notice(text)
     supervisor = Supervisor(ctx, specs, job, view, log_dir, group, attempt=attempt, timeout=timeout,
                             stall_warning=stall_warning)
@@ -183,6 +209,7 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
         outcome = "timed out"
         raise
     finally:
+        release_launch_dir(log_dir)
         view.close(outcome)
 
 
@@ -281,6 +308,22 @@ def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]
     except OSError as exc:
         raise ValueError(f"rdzv_endpoint {endpoint[0]}:{endpoint[1]} cannot be reached from this "
                          f"machine ({exc}); give a host name or address every node can reach") from None
+
+
+def _validate_settings(addr: str) -> None:
+    """What would otherwise fail only inside the ranks, after fn ran."""
+    import socket
+
+    try:
+        worker.max_result_bytes()
+    except ValueError:
+        raise ValueError("NBLAUNCH_MAX_RESULT_BYTES must be a whole number of bytes, got "
+                         f"{os.environ.get('NBLAUNCH_MAX_RESULT_BYTES')!r}") from None
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"master_addr {addr!r} is not an address or host name this machine can "
+                         f"resolve ({exc})") from None
 
 
 def _validate_nodes(num_nodes, node_rank, endpoint, backend, run_id, rdzv_timeout,

@@ -4,20 +4,25 @@ One folder per launch under ``$NBLAUNCH_LOG_DIR`` (default
 ``$XDG_CACHE_HOME/nblaunch/logs``, i.e. ``~/.cache/nblaunch/logs``), holding
 ``rank<N>.log`` with every byte the rank wrote to stdout/stderr. Only the
 newest ``KEEP`` launch folders are kept; older ones are removed when a new
-launch starts.
+launch starts, never one still in use.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
-__all__ = ["log_root", "new_launch_dir", "KEEP"]
+__all__ = ["log_root", "new_launch_dir", "release_launch_dir", "KEEP"]
 
 KEEP = 20
+_running: set = set()  # this process's launch folders in use: never pruned
+_lock = threading.Lock()
 
 
 def log_root() -> Path:
@@ -28,14 +33,36 @@ def log_root() -> Path:
     return Path(cache) / "nblaunch" / "logs"
 
 
-def new_launch_dir() -> Path:
-    """Create a fresh folder for one launch and prune the oldest ones."""
-    root = log_root()
+def new_launch_dir() -> tuple[Path, Optional[str]]:
+    """Create a fresh folder for one launch and prune the oldest ones.
+    Returns ``(folder, notice)``: when the log root cannot be written (a
+    read-only ``NBLAUNCH_LOG_DIR``, an unwritable home), the folder is a
+    temporary one and the notice says so; the launch goes on."""
+    notice = None
+    try:
+        path = _make_in(log_root())
+        _prune(log_root())
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / "nblaunch-logs"
+        notice = f"cannot write logs under {log_root()} ({exc.strerror or exc}); using {fallback}"
+        path = _make_in(fallback)
+        _prune(fallback)
+    with _lock:
+        _running.add(path.name)
+    return path, notice
+
+
+def release_launch_dir(path: Path) -> None:
+    """The launch that used ``path`` is over: pruning may take it in turn."""
+    with _lock:
+        _running.discard(path.name)
+
+
+def _make_in(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = root / f"{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}"
     path.mkdir()
-    _prune(root)
     return path
 
 
@@ -47,7 +74,7 @@ def _prune(root: Path) -> None:
     launches = sorted(p.name for p in root.iterdir() if _owner(p.name) is not None)
     for name in launches[:-KEEP]:
         owner = _owner(name)
-        if owner != me and psutil.pid_exists(owner):
+        if (owner != me and psutil.pid_exists(owner)) or name in _running:
             continue
         shutil.rmtree(root / name, ignore_errors=True)
 

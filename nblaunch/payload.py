@@ -10,8 +10,10 @@ to bytes up front.
 """
 from __future__ import annotations
 
+import builtins
 import io
 import linecache
+import os
 import pickle
 import types
 from collections import ChainMap
@@ -30,7 +32,9 @@ def _reduce_code(code: types.CodeType):
     traceback would then show no file and no source, and a notebook cell's
     source exists only in the kernel's linecache. Both travel with the code.
     """
-    lines = linecache.getlines(code.co_filename)
+    # Only a notebook cell's source lives nowhere but this kernel's linecache;
+    # a file on disk (a library's code pickled by value) the rank reads itself.
+    lines = [] if os.path.isfile(code.co_filename) else linecache.getlines(code.co_filename)
     return (_rebuild_code, (cloudpickle_code_reduce(code), code.co_filename, lines))
 
 
@@ -49,6 +53,15 @@ class _SharingPickler(cloudpickle.Pickler):
     # torch.multiprocessing is imported (torch imports it itself).
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, ForkingPickler._extra_reducers,
                               cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        # IPython's `open` (what a cell's `open()` finds) wraps io.open under
+        # its name, so cloudpickle cannot find it by reference and would send
+        # it, and IPython's whole module, by value. A rank is no notebook:
+        # it gets the plain builtin.
+        if getattr(obj, "__wrapped__", None) is io.open and type(obj) is types.FunctionType:
+            return (getattr, (builtins, "open"))
+        return super().reducer_override(obj)
 
 
 def sharing_pickler(file) -> cloudpickle.Pickler:
@@ -78,11 +91,17 @@ class CloudJob:
 
     def __init__(self, fn, args: tuple, kwargs: dict):
         self._job = (fn, tuple(args), dict(kwargs))
+        self.size = 0  # bytes per rank, once packed
 
     def __reduce__(self):
+        data = self.pack()
+        return (PackedJob, (data,))
+
+    def pack(self) -> bytes:
         buf = io.BytesIO()
         _SharingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(self._job)
-        return (PackedJob, (buf.getvalue(),))
+        self.size = buf.tell()
+        return buf.getvalue()
 
 
 class PackedJob:

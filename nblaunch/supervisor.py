@@ -4,13 +4,13 @@ The supervisor runs in the thread that called ``notebook_launcher`` (the cell's
 thread): a ``KeyboardInterrupt`` from the kernel lands right in its wait loop,
 and the display it drives prints into the right cell.
 
-Ranks are *started* from a fresh helper thread instead. A forked child's main
-thread is a copy of the thread that forked it, and GNU OpenMP keeps its worker
-pool per thread: forking from a thread that never ran a parallel region gives
-the child a clean pool, so a kernel that already ran ``torch.randn(n).sum()``
-cannot hang the ranks. The helper thread lives until the launch is over
-because Linux sends the ranks' parent-death signal when the *thread* that
-forked them ends.
+Ranks are *started* from a helper thread instead (:class:`_Starter`, one per
+kernel). A forked child's main thread is a copy of the thread that forked
+it, and GNU OpenMP keeps its worker pool per thread: forking from a thread
+that never ran a parallel region gives the child a clean pool, so a kernel
+that already ran ``torch.randn(n).sum()`` cannot hang the ranks. The helper
+thread lives as long as the kernel because Linux sends the ranks'
+parent-death signal when the *thread* that forked them ends.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from .worker import WorkerSpec, max_result_bytes, run_worker
 
 __all__ = ["Supervisor", "LaunchTimeout"]
 
+LARGE_JOB_BYTES = 1 << 20
+TEARDOWN_WAIT_S = 2.0  # the most any wait in teardown takes
 STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only dies to SIGKILL
 # A failure that is only a consequence of a peer's (gloo's "Connection closed
 # by peer") often arrives before its cause: the dead peer's sentinel or its
@@ -70,6 +72,7 @@ class _Rank:
     exited: bool = False
     stopped: bool = False  # nblaunch sent it a signal
     signals_sent: set = field(default_factory=set)
+    started: bool = False  # it reported Started: its stack handler is armed
     # Every process of its tree nblaunch has seen: a child that outlives
     # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
     tree: dict = field(default_factory=dict)
@@ -94,6 +97,7 @@ class Supervisor:
         """``group`` is a :mod:`nblaunch.nodes` group: it places this node's
         ranks in the job and carries failures between nodes."""
         self._ctx = ctx
+        self._job = job
         self._display = display
         self._group = group
         self._attempt = attempt
@@ -106,9 +110,9 @@ class Supervisor:
         self._stop_deadline: Optional[float] = None
         self._result_bytes = 0  # results received so far, all ranks
         self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
-        self._release = threading.Event()  # set: the starter thread may end
-        self._started = threading.Event()  # set: the starter thread has started every rank
-        self._starter: Optional[threading.Thread] = None
+        self._release = threading.Event()  # set: start no more ranks
+        self._started = threading.Event()  # set: the starter has started every rank
+        self._starter: Optional[_Starter] = None
         self._ranks: list[_Rank] = []
         child_ends = []
         for spec in specs:
@@ -149,29 +153,30 @@ class Supervisor:
     # -- starting ----------------------------------------------------------------
 
     def _start(self) -> None:
-        started = self._started
         errors: list[BaseException] = []
 
-        def starter() -> None:
+        def start_all() -> None:
             try:
                 for r in self._ranks:
-                    if self._release.is_set():
+                    if self._release.is_set():  # interrupted: start no more
                         break
                     r.proc.start()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
                 errors.append(exc)
-            finally:
-                started.set()
-            self._release.wait()
 
-        self._starter = threading.Thread(target=starter, name="nblaunch-starter", daemon=True)
-        self._starter.start()
-        while not started.wait(_TICK_S):
+        self._starter = _Starter.get()
+        self._started = self._starter.submit(start_all)
+        while not self._started.wait(_TICK_S):
             pass
         for end in self._child_ends:
             end.close()
         if errors:
             raise LaunchError(f"could not start the ranks: {errors[0]!r}") from errors[0]
+        size = getattr(self._job, "size", 0)
+        if size > LARGE_JOB_BYTES:
+            self._display.notice(
+                f"the job (fn, its arguments and what it captures) is {size / 2**20:.1f} MB per rank; "
+                "tensors travel through shared memory at no cost, so large data is best passed as tensors")
         # Only now, with every fork done, may the kernel run a store's
         # server thread: a fork while that thread holds a libc lock (its
         # getnameinfo on accept) hands the child a lock no one will release.
@@ -320,6 +325,7 @@ class Supervisor:
                 state.set_rank(r.rank, "failed")
                 self._on_failure(r.failure)
             elif isinstance(event, Started):
+                r.started = True
                 state.set_rank(r.rank, "running")
 
     def _take_result(self, r: _Rank, event: Result) -> None:
@@ -394,12 +400,21 @@ class Supervisor:
                 self._stalled.discard(i)
 
     def _where(self) -> str:
-        """Each live rank's main-thread stack, innermost frames first."""
-        live = {(r.global_rank if r.global_rank >= 0 else r.rank): (r.proc.pid, r.spec.stack_file) for r in self._ranks
-                if not r.exited and r.proc.pid is not None and r.spec.stack_file}
-        if not live:
-            return "  (no rank was running)"
-        return format_stacks(collect(live), live)
+        """Each live rank's main-thread stack, innermost frames first. Only
+        ranks that reported ``Started`` are asked (their handler is armed):
+        one still starting would not answer, and waiting for it would delay
+        an early interrupt by the whole answer time."""
+        def label(r: _Rank) -> int:
+            return r.global_rank if r.global_rank >= 0 else r.rank
+
+        live = {label(r): (r.proc.pid, r.spec.stack_file) for r in self._ranks
+                if r.started and not r.exited and r.proc.pid is not None and r.spec.stack_file}
+        starting = [label(r) for r in self._ranks if not r.started and not r.exited]
+        text = format_stacks(collect(live), live) if live else ""
+        if starting:
+            text += ("\n" if text else "") + "".join(
+                f"  rank {rank}: still starting (fn not called yet)\n" for rank in starting).rstrip("\n")
+        return text or "  (no rank was running)"
 
     # -- other nodes -------------------------------------------------------------
 
@@ -487,11 +502,12 @@ class Supervisor:
         try:
             if self._starter is not None:
                 self._release.set()  # no more starts ...
-                self._started.wait()  # ... and none in flight
+                if not self._started.wait(TEARDOWN_WAIT_S):  # ... and none in flight
+                    self._starter.wedged()
             for r in self._ranks:
                 if r.proc.pid is not None and r.proc.exitcode is None:
                     _signal_tree(r.proc.pid, signal.SIGKILL, r.tree)
-                    r.proc.join()
+                    r.proc.join(TEARDOWN_WAIT_S)
             self._kill_orphans()
             for r in self._ranks:  # what a stopped rank printed last: to its log and the view
                 if r.output_open:
@@ -499,9 +515,9 @@ class Supervisor:
                     self._end_output(r)
         finally:
             self._release.set()
-            if self._starter is not None:
-                self._starter.join()
             for r in self._ranks:
+                if r.proc.pid is not None and r.proc.exitcode is not None:
+                    r.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it
                 r.go.close()
                 r.events.close()
                 r.output.close()
@@ -522,6 +538,58 @@ class Supervisor:
             return results
         error = WorkerError(failures, log_dir=str(self._log_dir))
         raise error from error.root.exception
+
+
+class _Starter:
+    """The one thread of this kernel that starts ranks, for every launch.
+
+    A thread, not the cell's: a forked child is a copy of the thread that
+    forked it, and this one never runs OpenMP (see the module doc). One for
+    the kernel's lifetime, not one per launch: the ranks' parent-death
+    signal follows the thread that forked them, so it must outlive them,
+    and ipykernel keeps a socket for every thread that ever flushed its
+    streams (multiprocessing flushes them on each start): a thread per
+    launch leaked one per launch.
+    """
+
+    _current: Optional["_Starter"] = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        import queue
+
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="nblaunch-starter", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "_Starter":
+        with cls._lock:
+            if cls._current is None:
+                cls._current = cls()
+            return cls._current
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((fn, done))
+        return done
+
+    def wedged(self) -> None:
+        """A start did not finish in time: Python's spawn writes the job
+        into a pipe while it holds the read end itself, so a rank killed
+        before reading a job larger than the pipe leaves that write blocked
+        for good (jobs are kept small for this). The next launch gets a new
+        thread rather than queueing behind this one."""
+        with self._lock:
+            if _Starter._current is self:
+                _Starter._current = None
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                fn()
+            finally:
+                done.set()
 
 
 def _failure_from_event(r: _Rank, event: Failure) -> RankFailure:

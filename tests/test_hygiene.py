@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import psutil
@@ -16,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nblaunch import LaunchTimeout, WorkerError, notebook_launcher
+from nblaunch import LaunchError, LaunchTimeout, WorkerError, notebook_launcher
 
 
 def _kernel_state():
@@ -251,3 +252,70 @@ def test_a_foreign_process_cannot_get_a_pickle_unpickled(tmp_path):
         attacker.join()
     assert sent, "expected listening sockets to try"
     assert not mark.exists(), "a foreign pickle was unpickled"
+
+
+def test_an_unwritable_log_folder_means_a_temporary_one_and_a_notice(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(blocker / "logs"))  # mkdir fails, even as root
+    for _ in range(2):  # and so does every next launch, were it not handled
+        out = notebook_launcher(wait_a_little_less, num_processes=1, display="text")
+        assert out == ["done"]
+        assert out.log_dir.startswith(tempfile.gettempdir()) and os.path.exists(out.log_files[0])
+    printed = capsys.readouterr().out
+    assert printed.count(f"[nblaunch] cannot write logs under {blocker / 'logs'}") == 2
+
+
+def test_pruning_never_removes_a_folder_in_use(tmp_path, monkeypatch):
+    from nblaunch import logs
+
+    monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
+    first, _ = logs.new_launch_dir()
+    later = [logs.new_launch_dir()[0] for _ in range(logs.KEEP + 5)]
+    assert first.exists()  # the oldest, but still running
+    for path in later:
+        logs.release_launch_dir(path)
+    logs.release_launch_dir(first)
+    logs.new_launch_dir()
+    assert not first.exists() and len(list(tmp_path.iterdir())) == logs.KEEP
+
+
+def wait_a_little_less():
+    time.sleep(0.2)
+    return "done"
+
+
+def test_a_second_launch_at_the_same_time_is_refused_at_once():
+    import threading
+
+    started = threading.Event()
+    box = {}
+
+    def first():
+        started.set()
+        box["first"] = notebook_launcher(wait_a_little, num_processes=2, display="none")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    started.wait()
+    time.sleep(0.3)  # the first one is under way
+    t = time.monotonic()
+    with pytest.raises(LaunchError, match="another launch is running in this kernel"):
+        notebook_launcher(wait_a_little, num_processes=2, display="none")
+    assert time.monotonic() - t < 1.0
+    thread.join(60)
+    assert box["first"] == ["done", "done"]
+    assert notebook_launcher(wait_a_little_less, num_processes=1, display="none") == ["done"]  # free again
+
+
+@pytest.mark.parametrize("setting,env,error", [
+    ({"master_addr": "256.1.1.1"}, {}, "master_addr '256.1.1.1' is not an address"),
+    ({}, {"NBLAUNCH_MAX_RESULT_BYTES": "2GB"}, "NBLAUNCH_MAX_RESULT_BYTES must be a whole number"),
+])
+def test_settings_are_checked_before_any_rank_starts(monkeypatch, setting, env, error):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=error):
+        notebook_launcher(wait_a_little, num_processes=2, display="none", **setting)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -171,3 +171,21 @@ def _ready_pids(k: Kernel, n: int) -> list[int]:
     while len(re.findall(r"ready (\d+)", seen)) < n:
         seen += k.wait_for_output("ready", timeout=90)
     return [int(p) for p in re.findall(r"ready (\d+)", seen)]
+
+
+def test_a_cell_function_that_calls_open_travels_small(kernel):
+    """IPython's `open` and the library source around it stay home: the job
+    is the function, not IPython (it was 185 KB per rank)."""
+    reply = kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "from nblaunch.payload import CloudJob\n"
+        "def reads(path):\n"
+        "    with open(path) as f:\n"
+        "        return f.read()\n"
+        "import tempfile, os\n"
+        "path = os.path.join(tempfile.mkdtemp(), 'x.txt'); open(path, 'w').write('hello')\n"
+        "print('SIZE', len(CloudJob(reads, (path,), {}).pack()))\n"
+        "print('OUT', notebook_launcher(reads, args=(path,), num_processes=2, start_method='spawn', display='none'))\n")
+    assert reply.error is None, reply.error
+    assert int(reply.stdout.split("SIZE ")[1].split()[0]) < 10_000, reply.stdout
+    assert "OUT ['hello', 'hello']" in reply.stdout
