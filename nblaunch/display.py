@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import html
+import math
 import os
 import sys
 import time
@@ -158,6 +159,16 @@ class LaunchState:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
+    def end(self, state: str) -> None:
+        """The launch is over: ``state`` is its outcome, and a row still
+        running says how it ended (no row is left "running")."""
+        self.state = state
+        ended = {"timed out": "timed out", "interrupted": "interrupted"}.get(state, "stopped")
+        for r in self.ranks:
+            if r.status in ("starting", "running"):
+                r.status = ended
+        self.changed = True
+
     def set_rank(self, rank: int, status: str) -> None:
         self.ranks[rank].status = status
         if status == "running" and self.state == "starting":
@@ -233,6 +244,10 @@ class TextDisplay:
 
     def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
         self.state.begin(world_size, method, backend, log_dir)
+        if self._show_status:  # at once: a quiet first minute should not look like a hang
+            self._pending.append(f"[nblaunch] starting {world_size} ranks ({method}, "
+                                 f"{backend or 'no process group'}); full output: {log_dir}\n")
+            self.flush()
 
     def show(self) -> None:
         """Text has nothing to build."""
@@ -297,9 +312,11 @@ class TextDisplay:
         self._last_write = time.monotonic()
 
     def close(self, state: str) -> None:
-        self.state.state = state
-        if self._show_status and self.state.has_progress:
-            self._pending.append(f"[nblaunch] {state} in {self.state.elapsed():.1f} s | {self.state.summary()}\n")
+        self.state.end(state)
+        if self._show_status:
+            summary = f" | {self.state.summary()}" if self.state.has_progress else ""
+            self._pending.append(f"[nblaunch] {state} in {self.state.elapsed():.1f} s{summary}\n"
+                                 f"[nblaunch] full output: {self.state.log_dir}\n")
         self.flush()
 
 
@@ -330,6 +347,7 @@ class WidgetDisplay(TextDisplay):
         self._dropped = 0  # lines in pages dropped beyond MAX_PAGES
         self._live: dict[int, str] = {}  # rank -> the line it is rewriting
         self._live_changed = False
+        self._handle = None  # the display, replaced by a static copy at the end
 
     def show(self) -> None:
         """Build and display the widgets. The supervisor calls this right
@@ -349,7 +367,7 @@ class WidgetDisplay(TextDisplay):
         if self._display_it:
             from IPython.display import display
 
-            display(self.box)
+            self._handle = display(self.box, display_id=True)
 
     @property
     def log_html(self) -> str:
@@ -383,12 +401,44 @@ class WidgetDisplay(TextDisplay):
             self._draw()
 
     def close(self, state: str) -> None:
-        self.state.state = state
+        """Draw the final view, then put a static copy of it (HTML, and a
+        plain-text summary) in the widget's place and close the widgets:
+        the cell, the saved notebook and any renderer without the kernel's
+        widget state (nbconvert, GitHub, a reopened notebook) show the same
+        final view, and a kernel running hundreds of launches keeps no
+        widgets of finished ones."""
+        self.state.end(state)
         self.show()  # a launch that failed before its ranks started still gets its view
         self._live.clear()
         self._live_changed = True
-        self.state.changed = True
         self._draw()
+        if self._handle is not None:
+            self._handle.update({"text/html": self.static_html(), "text/plain": self.static_text()}, raw=True)
+            self._close_widgets()
+
+    def static_html(self) -> str:
+        """The whole view as one HTML fragment."""
+        pane = "".join(p.value for p in self._pages)
+        return ("<div class='nblaunch-view'>" + self.header.value + self.rows.value + self.chart.value
+                + "<div style='max-height:22em;overflow:auto;display:flex;flex-direction:column-reverse'>"
+                + f"<div>{pane}</div></div>" + self.footer.value + "</div>")
+
+    def static_text(self) -> str:
+        st = self.state
+        lines = [f"nblaunch: {st.state} | {st.where}, {st.method}, {st.backend or 'no process group'}, "
+                 f"{st.elapsed():.1f} s"]
+        lines += [f"  {r.line(st.label(i))}" for i, r in enumerate(st.ranks)]
+        lines += [f"  {notice}" for notice in st.notices[-3:]]
+        lines.append(f"  full output: {st.log_dir}")
+        return "\n".join(lines)
+
+    def _close_widgets(self) -> None:
+        widgets = [self.box, self.header, self.rows, self.chart, self.pane, self.live, self.footer, *self._pages]
+        for widget in widgets:
+            for part in (getattr(widget, "layout", None), getattr(widget, "style", None), widget):
+                if part is not None and getattr(part, "comm", None) is not None:
+                    part.close()
+        self.box = None
 
     def _draw(self) -> None:
         if self.box is None:
@@ -478,15 +528,21 @@ def _fraction(r: RankState) -> float:
     return 1.0 if r.status == "finished" else 0.0
 
 
+_MONO = "font-family:var(--jp-code-font-family,monospace);font-size:90%"
+
+
 def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
+    # Spans, not <code>: front ends style a static copy's <code> as inline
+    # code (grey boxes). nowrap: a number never breaks across lines.
     color = _STATE_COLOR.get(status, "#1565c0")
     return (f"<div class='nblaunch-rank' data-status='{html.escape(status)}' data-fraction='{fraction:.3f}' "
             f"style='display:flex;align-items:center;gap:8px;margin:2px 0'>"
-            f"<code style='width:6em'>{html.escape(label)}</code>"
-            f"<div style='width:40%;height:12px;background:#eee;border-radius:3px'>"
+            f"<span class='nblaunch-label' style='{_MONO};flex:0 0 6em'>{html.escape(label)}</span>"
+            f"<div style='flex:0 0 35%;height:12px;background:#8882;border-radius:3px'>"
             f"<div style='width:{100 * fraction:.1f}%;height:100%;background:{color};border-radius:3px'></div></div>"
             # The failed rank is the one to find: its line in the failure colour.
-            f"<code style='color:{color if status == 'failed' else 'inherit'}'>{html.escape(text)}</code></div>")
+            f"<span class='nblaunch-text' style='{_MONO};white-space:nowrap;"
+            f"color:{color if status == 'failed' else 'inherit'}'>{html.escape(text)}</span></div>")
 
 
 _PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]
@@ -500,28 +556,48 @@ def _legend(series: dict[int, list], most: int = 8) -> str:
     return "rank" + shown + (" ..." if len(ranks) > most else "")
 
 
-def _svg_chart(name: str, series: dict[int, list], width: int = 360, height: int = 140) -> str:
-    """A line per rank, drawn as inline SVG (no plotting library, no custom JS)."""
+def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int = 180) -> str:
+    """A line per rank, drawn as inline SVG (no plotting library, no custom
+    JS), with y-axis values and gridlines; the y-axis is logarithmic when the
+    values are positive and span more than two decades (a loss falling from
+    5 to 1e-5 would be a flat line on a linear one). Text uses
+    ``currentColor``, so it reads on light and dark themes."""
     points = [p for pts in series.values() for p in pts]
     if not points:
         return ""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    sx = (width - 50) / ((x1 - x0) or 1)
-    sy = (height - 30) / ((y1 - y0) or 1)
+    log_scale = y0 > 0 and y1 / y0 > 100
+    f = math.log10 if log_scale else (lambda v: v)
+    v0, v1 = f(y0), f(y1)
+    left, top, bottom, right = 52, 22, 20, 10  # the title sits above the plot, never on it
+    sx = (width - left - right) / ((x1 - x0) or 1)
+    sy = (height - top - bottom) / ((v1 - v0) or 1)
+
+    def y_of(v: float) -> float:
+        return height - bottom - (f(v) - v0) * sy
+
+    ticks = ([10.0 ** e for e in range(math.ceil(v0), math.floor(v1) + 1)] if log_scale
+             else [y0 + (y1 - y0) * k / 3 for k in range(4)] if y1 > y0 else [y0])
+    if log_scale and len(ticks) > 6:
+        ticks = ticks[::math.ceil(len(ticks) / 6)]
+    grid = "".join(
+        f"<line x1='{left}' x2='{width - right}' y1='{y_of(t):.1f}' y2='{y_of(t):.1f}' stroke='currentColor' "
+        f"stroke-opacity='0.15'/><text x='{left - 4}' y='{y_of(t) + 3:.1f}' font-size='10' text-anchor='end' "
+        f"fill='currentColor'>{t:.3g}</text>" for t in ticks)
     lines = []
     for rank, pts in sorted(series.items()):
-        path = " ".join(f"{40 + (x - x0) * sx:.1f},{height - 20 - (y - y0) * sy:.1f}" for x, y in pts)
+        path = " ".join(f"{left + (x - x0) * sx:.1f},{y_of(y):.1f}" for x, y in pts if not log_scale or y > 0)
         lines.append(f"<polyline fill='none' stroke='{_PALETTE[rank % len(_PALETTE)]}' "
                      f"stroke-width='1.5' points='{path}'><title>rank {rank}</title></polyline>")
-    return (f"<svg class='nblaunch-chart' width='{width}' height='{height}' "
-            f"style='display:inline-block;margin-right:1em'>"
-            f"<text x='40' y='12' font-size='12'>{html.escape(name)} &#160; {_legend(series)}</text>"
-            f"<text x='2' y='{height - 20}' font-size='10'>{y0:.3g}</text>"
-            f"<text x='2' y='24' font-size='10'>{y1:.3g}</text>"
-            f"<text x='40' y='{height - 4}' font-size='10'>step {x0}</text>"
-            f"<text x='{width - 60}' y='{height - 4}' font-size='10'>{x1}</text>"
-            + "".join(lines) + "</svg>")
+    scale = " (log)" if log_scale else ""
+    return (f"<svg class='nblaunch-chart' data-scale='{'log' if log_scale else 'linear'}' width='{width}' "
+            f"height='{height}' style='display:inline-block;margin-right:1em;color:inherit'>"
+            f"<text x='{left}' y='13' font-size='12' fill='currentColor'>{html.escape(name)}{scale} &#160; "
+            f"{_legend(series)}</text>" + grid
+            + f"<text x='{left}' y='{height - 4}' font-size='10' fill='currentColor'>step {x0}</text>"
+            f"<text x='{width - right}' y='{height - 4}' font-size='10' text-anchor='end' "
+            f"fill='currentColor'>{x1}</text>" + "".join(lines) + "</svg>")
 
 
 def make_display(kind: str):

@@ -17,6 +17,17 @@ __all__ = ["LaunchError", "WorkerError", "RankFailure"]
 class LaunchError(RuntimeError):
     """Base class of every error nblaunch raises about a launch itself."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of formatting the traceback: the frames
+        # are the launcher's own, and the message already says what happened.
+        return [f"{type(self).__name__}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+def render_interrupt(exc: KeyboardInterrupt, lines: list[str]) -> None:
+    """Have IPython show ``lines`` for an interrupt instead of the launcher's
+    frames; it stays a plain ``KeyboardInterrupt`` to code that catches it."""
+    exc._render_traceback_ = lambda: list(lines)
+
 
 @dataclass(frozen=True)
 class RankFailure:

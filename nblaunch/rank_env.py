@@ -273,6 +273,17 @@ def _mirror_tqdm(module) -> None:
     mirror_tqdm(module.tqdm)
 
 
+def _fresh_accelerate_state(module) -> None:
+    """accelerate keeps its process state in class-level singletons. One made
+    in the kernel (an ``Accelerator()`` or ``PartialState()`` in a cell: one
+    process, index 0) would be every forked rank's, and every rank would
+    think it is the main process. A rank starts with none, as under torchrun."""
+    for name in ("AcceleratorState", "GradientState", "PartialState"):
+        cls = getattr(module, name, None)
+        if cls is not None and getattr(cls, "_shared_state", None):
+            cls._shared_state.clear()
+
+
 def _mirror_rich(module) -> None:
     from .progress import mirror_rich
 
@@ -285,6 +296,7 @@ _AFTER_IMPORT: dict[str, Callable] = {
     "tqdm.std": _mirror_tqdm,
     "tqdm.notebook": _detach_tqdm_notebook,
     "rich.progress": _mirror_rich,
+    "accelerate.state": _fresh_accelerate_state,
     "transformers.utils.import_utils": _forget_notebook_answer,
     "transformers.trainer": _plain_trainer_progress,
     "transformers.trainer_callback": _trainer_logs_to_rows,

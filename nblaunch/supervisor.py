@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import psutil
 
 from .channel import RELEASE, Failure, Metrics, Progress, Result, Started, decode
-from .errors import LaunchError, RankFailure, WorkerError, root_cause
+from .errors import LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
 from .stacks import collect, format_stacks
 from .worker import WorkerSpec, max_result_bytes, run_worker
 
@@ -52,7 +52,15 @@ _NO_RESULT = object()
 
 
 class LaunchTimeout(LaunchError):
-    """The launch ran past its ``timeout``; the ranks were stopped."""
+    """The launch ran past its ``timeout``; the ranks were stopped.
+    ``log_dir``: where each rank's full output is kept."""
+
+    def __init__(self, message: str, log_dir: Optional[str] = None):
+        super().__init__(message)
+        self.log_dir = log_dir
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.log_dir))
 
 
 @dataclass
@@ -132,11 +140,15 @@ class Supervisor:
         try:
             self._start()
             self._watch()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             # The user pressed stop, most likely because it looks stuck.
-            self._display.notice("interrupted; where each rank was:\n" + self._where())
+            where = self._where()
+            self._display.notice("interrupted; where each rank was:\n" + where)
             self._stop(grace=STOP_GRACE_S)
             self._tell_other_nodes("was interrupted")
+            render_interrupt(exc, ["KeyboardInterrupt: the launch was interrupted and every rank was "
+                                   "stopped; where each rank was (innermost frame first):", where,
+                                   f"Full output: {self._log_dir}"])
             raise
         except LaunchTimeout:
             self._stop(grace=STOP_GRACE_S)
@@ -256,7 +268,8 @@ class Supervisor:
             if self._timeout is not None and now - t0 > self._timeout:
                 raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; "
                                     f"where each rank was (innermost frame first):\n{self._where()}\n"
-                                    f"The ranks were stopped. Full output: {self._log_dir}")
+                                    f"The ranks were stopped. Full output: {self._log_dir}",
+                                    log_dir=str(self._log_dir))
             self._check_stalls(now)
             self._check_other_nodes()
             self._display.tick()

@@ -168,7 +168,7 @@ class RowsUpdate:
 
 
 _ROW = re.compile(r"class='nblaunch-rank' data-status='([\w ]+)' data-fraction='([\d.]+)'.*?"
-                  r"<code style='color:[^']*'>(.*?)</code></div>", re.S)
+                  r"<span class='nblaunch-text' style='[^']*'>(.*?)</span></div>", re.S)
 
 
 def rows_updates(outputs: list) -> list[RowsUpdate]:

@@ -60,8 +60,9 @@ def fail_on_2():
 """
 
 # One reading per launch view on the page, in page order: each view is an
-# ipywidgets VBox whose header reads "nblaunch: <state>".
-READ_VIEWS = """() => Array.from(document.querySelectorAll('.widget-vbox')).map(box => {
+# ipywidgets VBox whose header reads "nblaunch: <state>" while it runs, then
+# the static copy of its final state (.nblaunch-view) that replaces it.
+READ_VIEWS = """() => Array.from(document.querySelectorAll('.widget-vbox, .nblaunch-view')).map(box => {
   const header = Array.from(box.querySelectorAll('b')).map(b => b.textContent)
       .find(t => t.startsWith('nblaunch: '));
   if (!header) return null;

@@ -118,13 +118,15 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works(kernel):
     assert r.error is None and "AGAIN [7, 7]" in r.stdout
 
 
-def test_killed_kernel_leaves_no_orphan_ranks():
-    k = Kernel()
+def test_killed_kernel_leaves_no_orphan_ranks_and_every_line_on_disk(tmp_path):
+    k = Kernel(extra_env={"NBLAUNCH_LOG_DIR": str(tmp_path)})
     try:
         msg_id = k.execute_async(
             "from nblaunch import notebook_launcher\n"
             "import os, time\n"
             "def wait():\n"
+            "    for i in range(200):\n"
+            "        print('line', i)\n"
             "    print('ready', os.getpid(), flush=True)\n"
             "    time.sleep(600)\n"
             "notebook_launcher(wait, display='text', num_processes=3)\n"
@@ -133,8 +135,12 @@ def test_killed_kernel_leaves_no_orphan_ranks():
         while len(re.findall(r"ready (\d+)", seen)) < 3:
             seen += k.wait_for_output("ready", timeout=60)
         pids = [int(p) for p in re.findall(r"ready (\d+)", seen)]
-        os.kill(k.pid, signal.SIGKILL)  # the kernel alone, not its process group
+        os.kill(k.pid, signal.SIGKILL)  # the kernel alone, not its process group (the OOM killer's way)
         assert wait_gone(pids, timeout=5) == []
+        (launch,) = tmp_path.iterdir()
+        for rank in range(3):  # what the cell showed, the log files kept: no buffer died with the kernel
+            lines = (launch / f"rank{rank}.log").read_text().splitlines()
+            assert lines[:200] == [f"line {i}" for i in range(200)] and lines[200].startswith("ready")
     finally:
         k.shutdown()
 
@@ -204,3 +210,31 @@ def test_the_stop_button_early_in_a_launch_returns_at_once_and_leaks_nothing(ker
         assert wait_gone(ranks, timeout=1.0) == [], f"ranks outlived an interrupt {delay} s into the launch"
     after = [int(x) for x in kernel.execute("print('AFTER', *counts())").stdout.split()[1:]]
     assert after[0] <= before[0] and after[1] <= before[1] + 2, (before, after)
+
+
+def test_a_hundred_launches_leave_the_kernel_as_they_found_it(kernel):
+    reply = kernel.execute(
+        "from nblaunch import notebook_launcher\n"
+        "import os, threading, psutil\n"
+        "from ipywidgets.widgets import widget\n"
+        "def job(i):\n"
+        "    print('hello', i)\n"
+        "    return i\n"
+        "def counts():\n"
+        "    return (len(os.listdir('/proc/self/fd')), threading.active_count(), len(widget._instances),\n"
+        "            psutil.Process().memory_info().rss >> 20)\n"
+        # No process group: what leaks would be nblaunch's own per-launch
+        # machinery; gloo's rare connectFullMesh flake (1 in ~1,000 launches
+        # here, a known gloo issue) is not what this measures.
+        "def launch(i):\n"
+        "    return notebook_launcher(job, args=(i,), num_processes=2, init_process_group=False)\n"
+        "for i in range(5):\n"
+        "    launch(i)   # warm: first-use allocations\n"
+        "before = counts()\n"
+        "ok = sum(launch(i) == [i, i] for i in range(100))\n"
+        "print('COUNTS', ok, *before, *counts())\n", timeout=600)
+    assert reply.error is None, reply.error
+    ok, fd0, th0, w0, mem0, fd1, th1, w1, mem1 = map(int, reply.stdout.split("COUNTS")[1].split())
+    assert ok == 100
+    assert fd1 <= fd0 + 2 and th1 <= th0 and w1 <= w0, (fd0, th0, w0, fd1, th1, w1)
+    assert mem1 - mem0 < 40, f"the kernel grew by {mem1 - mem0} MiB over 100 launches"

@@ -396,3 +396,52 @@ def test_root_cause_skips_a_peers_transport_error_even_if_it_came_first():
     assert root_cause([peer, stopped]) is peer  # nothing better: the earliest real report
     err = WorkerError([peer, real, stopped])
     assert err.rank == 1 and [f.rank for f in err.failures] == [1, 0, 2]
+
+
+def floods_then_hangs():
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        line = "x" * 200 + "\n"
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # as fast as the pipe takes it
+            sys.stdout.write(line * 100)
+    time.sleep(60)
+
+
+def test_a_flooding_rank_does_not_delay_the_timeout():
+    t = time.monotonic()
+    with pytest.raises(LaunchTimeout):
+        notebook_launcher(floods_then_hangs, num_processes=2, timeout=3, display="none")
+    assert time.monotonic() - t < 6.5  # it took 9-13.5 s when each pass drained the pipe dry
+
+
+def last_words(peer_fails: bool):
+    import signal
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    def on_term(*_):
+        print(f"rank {dist.get_rank()} saving a checkpoint before it goes", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if peer_fails and dist.get_rank() == 1:
+        time.sleep(0.3)
+        raise RuntimeError("rank 1 fails")
+    while True:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("peer_fails", [False, True], ids=["timeout", "peer-fails"])
+def test_what_a_rank_prints_as_it_is_stopped_is_kept(peer_fails):
+    with pytest.raises((LaunchTimeout, WorkerError)) as info:
+        notebook_launcher(last_words, args=(peer_fails,), num_processes=2, timeout=None if peer_fails else 2,
+                          display="none")
+    log = open(os.path.join(info.value.log_dir, "rank0.log")).read()
+    assert "rank 0 saving a checkpoint before it goes" in log

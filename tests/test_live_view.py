@@ -27,28 +27,37 @@ def train(steps):
 """
 
 
-def test_widget_view_shows_every_rank_finished_with_metrics(tmp_path):
+def test_the_saved_notebook_keeps_the_final_view(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(TRAIN),
                 nbformat.v4.new_code_cell("out = notebook_launcher(train, args=(40,), num_processes=2)"),
                 nbformat.v4.new_code_cell("print(out)")]
     NotebookClient(nb, kernel_name="python3", timeout=180, store_widget_state=True).execute()
     launch = nb.cells[1].outputs
-    views = [o for o in launch if o.get("output_type") == "display_data"
-             and "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
-    assert len(views) == 1, launch  # one display per launch, nothing printed beside it
-    assert not [o for o in launch if o.get("output_type") == "stream"]
-    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
-    html = " ".join(str(m["state"].get("value", "")) for m in state.values() if m["model_name"] == "HTMLModel")
+    # The live widget was replaced by a static copy of its final state: no
+    # widget left to find (nothing says "model not found"), nothing printed beside it.
+    assert len(launch) == 1 and launch[0]["output_type"] == "display_data", launch
+    data = launch[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" not in data
+    html = data["text/html"]
     bars = re.findall(r"class='nblaunch-rank' data-status='(\w+)' data-fraction='([\d.]+)'", html)
     assert bars == [("finished", "1.000"), ("finished", "1.000")]  # one bar per rank, at 100%
     assert "nblaunch: finished" in html
-    rows = re.findall(r"<code style='width:6em'>(rank \d)</code>.*?<code style='[^']*'>(.*?)</code>", html)
+    rows = re.findall(r"<span class='nblaunch-label' style='[^']*'>(rank \d)</span>.*?"
+                      r"<span class='nblaunch-text' style='[^']*'>(.*?)</span>", html)
     assert [label for label, _ in rows] == ["rank 0", "rank 1"]  # one label per row
     assert all(text.startswith("finished train 40/40") for _, text in rows), rows
     assert "loss=0.025" in html and "lr=0.1" in html
     assert "<svg class='nblaunch-chart'" in html and "<polyline" in html  # the loss curve
+    assert "nblaunch: finished" in data["text/plain"] and "rank 1 finished train 40/40" in data["text/plain"]
     assert "[0, 1]" in nb.cells[2].outputs[0]["text"]
+    # What GitHub and nbconvert readers get: the outcome and a line per rank.
+    from nbconvert import HTMLExporter, MarkdownExporter
+
+    for exporter in (MarkdownExporter(), HTMLExporter()):
+        body, _ = exporter.from_notebook_node(nb)
+        assert "nblaunch: finished" in body and "VBox(" not in body
+        assert body.count("finished train 40/40") >= 2
 
 
 def test_text_fallback_outside_a_kernel_prints_status_and_summary(tmp_path):

@@ -352,9 +352,31 @@ def test_coloured_output_shows_as_colour_never_as_escapes(nb, method):
     assert "<span style='font-weight:bold'>bold</span>" in shown
 
 
+ACCELERATE = """
+def accel():
+    import torch
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    return acc.num_processes, acc.process_index, acc.is_main_process
+"""
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_accelerate_state_made_in_the_kernel_does_not_leak_into_ranks(nb, method):
+    reply = nb.execute(ACCELERATE + textwrap.dedent(f"""
+        import json
+        from accelerate import PartialState
+        assert PartialState().num_processes == 1    # the kernel's own, single-process state
+        out = notebook_launcher(accel, num_processes=2, start_method="{method}", display="none")
+        print(json.dumps(out))
+    """))
+    assert _value(reply) == [[2, 0, True], [2, 1, False]]
+
+
 def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(nb, tmp_path):
     reply = nb.execute(textwrap.dedent(f"""
         os.chdir({str(tmp_path)!r})   # the script writes its check files in the working directory
+        import json
         from accelerate.test_utils.scripts.test_script import main
         out = notebook_launcher(main, num_processes=2)
         lines = [l for f in out.log_files for l in open(f).read().splitlines() if l.strip()]

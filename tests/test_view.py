@@ -69,3 +69,16 @@ def test_text_mode_writes_plain_text_to_a_file_and_shortens_giant_lines():
     text = out.getvalue()
     assert "[rank 0] red\n" in text and "\x1b" not in text
     assert f"[rank 0] {clip('y' * 5000)}\n" in text and "[3,000 more characters in the log file]" in text
+
+
+def test_a_loss_over_several_decades_is_drawn_on_a_log_axis_with_values():
+    from nblaunch.display import _svg_chart
+
+    falling = {0: [(i, 5.0 * 10 ** (-i / 10)) for i in range(60)]}  # 5 down to ~6e-6
+    svg = _svg_chart("loss", falling)
+    assert "data-scale='log'" in svg and "loss (log)" in svg
+    assert all(f">{v}</text>" in svg for v in ("0.0001", "0.01", "1"))  # decade ticks
+    ys = [float(p.split(",")[1]) for p in svg.split("points='")[1].split("'")[0].split()]
+    assert max(ys) - min(ys) > 100  # the curve uses the plot's height, not one flat line
+    flat = _svg_chart("lr", {0: [(i, 0.1 + i * 0.001) for i in range(10)]})
+    assert "data-scale='linear'" in flat and ">0.1</text>" in flat
