@@ -5,7 +5,8 @@
    a tqdm bar on the rank's stderr (mirrored into the rank's row, its text
    silenced) and one writing to a file (left alone: drawing text as usual).
    Also what making a rank look like a torchrun rank costs at its start
-   (``rank_env``) with torch, transformers and Lightning already imported.
+   (``rank_env``) with torch, transformers and Lightning already imported,
+   and what the view's once-a-second resource sample costs the kernel.
 2. A 2-rank DDP MLP loop calling ``progress`` and ``log`` every step under
    nblaunch, against the same loop without them under torch.multiprocessing
    fork. Only the loop is timed (inside the ranks), medians over alternating
@@ -48,6 +49,36 @@ def per_iteration(n: int) -> dict:
                        ("tqdm, drawing text", lambda: tqdm(range(n), file=sink, mininterval=0.1))]:
         out[name] = min(timed(make) for _ in range(5))
     return out
+
+
+def sampling_ms(ranks: int = 4, children: int = 2) -> float:
+    """One resource sample (CPU and memory of each rank's tree, as the view
+    takes once a second in the kernel) over ``ranks`` processes with
+    ``children`` each, like DataLoader workers."""
+    import subprocess
+
+    from nblaunch.resources import INTERVAL_S, Sampler
+
+    code = "import subprocess, sys, time; [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) " \
+           f"for _ in range({children})]; time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(ranks)]
+    try:
+        time.sleep(1.0)
+        sampler = Sampler({})
+        times = []
+        for _ in range(6):
+            sampler._last = 0.0  # due now
+            t = time.perf_counter()
+            sampler.sample({i: p.pid for i, p in enumerate(procs)})
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:]) * 1e3 / INTERVAL_S
+    finally:
+        for p in procs:
+            import psutil
+            for c in psutil.Process(p.pid).children(recursive=True):
+                c.kill()
+            p.kill()
+            p.wait()
 
 
 def rank_setup_ms() -> float:
@@ -136,17 +167,20 @@ def main(argv=None) -> int:
 
     iters = notebook_launcher(per_iteration, args=(n,), num_processes=1, display="none")[0]
     setup_ms = notebook_launcher(rank_setup_ms, num_processes=1, display="none")[0]
+    sample_ms = sampling_ms()
     loop = loop_overhead(steps, reps)
     print("per-iteration cost inside a rank (ns):")
     for name, ns in iters.items():
         print(f"  {name:26s} {ns:8.1f}")
     print(f"rank set-up walk (torch, transformers, Lightning imported): {setup_ms:.2f} ms")
+    print(f"resource sampling in the kernel, 4 ranks x 3 processes: {sample_ms:.2f} ms per second")
     print(f"2-rank DDP loop, {steps} steps: nblaunch with progress+log {loop['nblaunch_with_progress_log_s']:.3f} s, "
           f"torch fork plain {loop['torch_fork_plain_s']:.3f} s (ratio {loop['ratio']:.3f}); "
           f"nblaunch plain {loop['nblaunch_plain_s']:.3f} s (ratio {loop['ratio_same_launcher']:.3f})")
     if not opts.smoke:
         (HERE / "results").mkdir(exist_ok=True)
         (HERE / "results" / "overhead.json").write_text(json.dumps({"per_iteration_ns": iters, "rank_setup_ms": setup_ms,
+                                                                      "sampling_ms_per_s": sample_ms,
                                                                       "loop": loop}, indent=2))
     return 0
 

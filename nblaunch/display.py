@@ -73,6 +73,7 @@ class RankState:
     status: str = "starting"
     bars: dict = field(default_factory=dict)  # key -> BarState, in the order the rank opened them
     metrics: dict = field(default_factory=dict)
+    usage: Optional[object] = None  # resources.Usage, sampled about once a second while it runs
 
     @property
     def current(self) -> Optional[BarState]:
@@ -115,6 +116,8 @@ class RankState:
             if bar.postfix:
                 parts.append(bar.postfix)
         parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
+        if self.usage is not None and self.status == "running":
+            parts.append(f"| {self.usage.text()}")
         return " ".join(parts)
 
     def line(self, rank: int, now: float = 0.0) -> str:
@@ -167,6 +170,12 @@ class LaunchState:
         for r in self.ranks:
             if r.status in ("starting", "running"):
                 r.status = ended
+        self.changed = True
+
+    def resources(self, usage: dict) -> None:
+        """``local rank -> resources.Usage``, from the supervisor's sampler."""
+        for rank, u in usage.items():
+            self.ranks[rank].usage = u
         self.changed = True
 
     def set_rank(self, rank: int, status: str) -> None:
@@ -454,7 +463,8 @@ class WidgetDisplay(TextDisplay):
         if not st.changed:
             return
         st.changed = False
-        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail())
+        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail(),
+                         warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
                 for i, r in enumerate(st.ranks)]
         if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
             mean = sum(_fraction(r) for r in st.ranks) / len(st.ranks)
@@ -531,7 +541,7 @@ def _fraction(r: RankState) -> float:
 _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:90%"
 
 
-def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
+def _bar_row(label: str, fraction: float, status: str, text: str, warn: bool = False) -> str:
     # Spans, not <code>: front ends style a static copy's <code> as inline
     # code (grey boxes). nowrap: a number never breaks across lines.
     color = _STATE_COLOR.get(status, "#1565c0")
@@ -542,7 +552,7 @@ def _bar_row(label: str, fraction: float, status: str, text: str) -> str:
             f"<div style='width:{100 * fraction:.1f}%;height:100%;background:{color};border-radius:3px'></div></div>"
             # The failed rank is the one to find: its line in the failure colour.
             f"<span class='nblaunch-text' style='{_MONO};white-space:nowrap;"
-            f"color:{color if status == 'failed' else 'inherit'}'>{html.escape(text)}</span></div>")
+            f"color:{color if status == 'failed' else '#ef6c00' if warn else 'inherit'}'>{html.escape(text)}</span></div>")
 
 
 _PALETTE = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#4e342e"]

@@ -80,7 +80,8 @@ class RankFailure:
     def summary(self) -> str:
         """One line: what happened to this rank."""
         if self.kind == "exception":
-            return f"{self.label} raised {self.exc_type}: {self.message}".rstrip()
+            gpu = " (the GPU ran out of memory)" if self.exc_type.endswith("OutOfMemoryError") else ""
+            return f"{self.label} raised {self.exc_type}{gpu}: {self.message}".rstrip()
         if self.kind == "signal":
             return f"{self.label} was killed by {self.signal_name}" + (
                 " (the out-of-memory killer is the usual sender)"

@@ -29,6 +29,7 @@ import psutil
 
 from .channel import RELEASE, Failure, Metrics, Progress, Result, Started, decode
 from .errors import LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
+from .resources import Sampler, gpu_devices
 from .stacks import collect, format_stacks
 from .worker import WorkerSpec, max_result_bytes, run_worker
 
@@ -117,6 +118,7 @@ class Supervisor:
         self._timeout = timeout
         self._stop_deadline: Optional[float] = None
         self._result_bytes = 0  # results received so far, all ranks
+        self._sampler = Sampler(gpu_devices([spec.local_rank for spec in specs]))
         self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
         self._release = threading.Event()  # set: start no more ranks
         self._started = threading.Event()  # set: the starter has started every rank
@@ -272,6 +274,10 @@ class Supervisor:
                                     log_dir=str(self._log_dir))
             self._check_stalls(now)
             self._check_other_nodes()
+            usage = self._sampler.sample({r.rank: r.proc.pid for r in self._ranks
+                                          if r.started and not r.exited and r.proc.pid is not None})
+            if usage:
+                self._display.state.resources(usage)
             self._display.tick()
 
     def _read_output(self, r: _Rank, max_reads: Optional[int] = READS_PER_PASS) -> None:

@@ -306,13 +306,27 @@ def _dump_result(rank: int, value: Any) -> tuple[bytes, int]:
 class _count_shared:
     """Wraps torch's storage reducers to add up what they put in shared
     memory, each storage once (a typed storage is reduced through its
-    untyped one; views share a storage)."""
+    untyped one; views share a storage). CUDA tensors are sent as a CPU copy
+    in shared memory and rebuilt on the same device in the kernel: torch's
+    CUDA IPC would hand the kernel memory that dies with the rank."""
 
     def __init__(self, reducers: dict):
+        import torch
+
         self.nbytes = 0
         self._seen: set = set()
         self._wrapped = {cls: self._wrap(reduce) for cls, reduce in reducers.items()
                          if "Storage" in getattr(cls, "__name__", "")}
+        self._wrapped.update({cls: self._cuda_as_cpu(reduce) for cls, reduce in reducers.items()
+                              if isinstance(cls, type) and issubclass(cls, torch.Tensor)})
+
+    @staticmethod
+    def _cuda_as_cpu(reduce):
+        def reduce_tensor(tensor):
+            if tensor.is_cuda:
+                return (_cuda_from_cpu, (tensor.detach().cpu(), tensor.device.index, tensor.requires_grad))
+            return reduce(tensor)
+        return reduce_tensor
 
     def _wrap(self, reduce):
         def counted(storage):
@@ -327,6 +341,11 @@ class _count_shared:
         table = dict(base)
         table.update(self._wrapped)
         return table
+
+
+def _cuda_from_cpu(tensor, device: int, requires_grad: bool):
+    """In the kernel: a rank's CUDA tensor, back on its device."""
+    return tensor.to(f"cuda:{device}").requires_grad_(requires_grad)
 
 
 def max_result_bytes() -> int:

@@ -17,6 +17,17 @@ from nblaunch import log, notebook_launcher, progress
 
 pytestmark = pytest.mark.timeout(300)
 
+
+@pytest.fixture
+def kernel_for_view():
+    from conftest import Kernel
+
+    k = Kernel()
+    try:
+        yield k
+    finally:
+        k.shutdown()
+
 TRAIN = """
 from nblaunch import notebook_launcher, progress, log
 def train(steps):
@@ -155,3 +166,53 @@ def test_a_flooding_rank_keeps_the_kernel_calm_and_the_log_complete(tmp_path, mo
         assert "more lines not shown here; all are in" in r.stdout
     finally:
         k.shutdown()
+
+
+def test_each_running_row_shows_its_cpu_and_memory(kernel_for_view):
+    from conftest import rows_updates
+
+    reply = kernel_for_view.execute(
+        "from nblaunch import notebook_launcher\n"
+        "def busy():\n"
+        "    import time\n"
+        "    end = time.monotonic() + 3\n"
+        "    x = 0\n"
+        "    while time.monotonic() < end:\n"
+        "        x += 1\n"
+        "    return x > 0\n"
+        "notebook_launcher(busy, num_processes=2)\n")
+    assert reply.error is None, reply.error
+    shown = [re.search(r"\| cpu (\d+)% mem (\d+) MiB", row[2]) for u in rows_updates(reply.outputs) for row in u.rows]
+    readings = [(int(m.group(1)), int(m.group(2))) for m in shown if m]
+    assert readings, "no row showed its resources"
+    assert max(cpu for cpu, _ in readings) >= 40  # a busy rank, about one core (2 ranks on 2 CPUs)
+    assert all(mem > 20 for _, mem in readings)  # a rank with torch loaded
+    final = rows_updates(reply.outputs)[-1].rows
+    assert all("cpu" not in row[2] for row in final)  # a finished row shows no stale reading
+
+
+def test_a_rank_is_flagged_when_the_machine_runs_low_on_memory(monkeypatch):
+    """The low-memory reading is faked (psutil.virtual_memory): this machine
+    cannot be brought near its limit safely. The processes are real."""
+    import subprocess
+    from collections import namedtuple
+
+    from nblaunch import resources
+
+    big = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(200 << 20); time.sleep(30)"])
+    small = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(1.0)
+        vm = namedtuple("vm", "total available")
+        monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: vm(16 << 30, 1 << 30))
+        usage = resources.Sampler({}).sample({0: big.pid, 1: small.pid})
+        assert usage[0].memory_low and not usage[1].memory_low  # the big one, before the OOM killer picks
+        assert "(memory low!)" in usage[0].text()
+        monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: vm(16 << 30, 8 << 30))
+        time.sleep(resources.INTERVAL_S)
+        assert not resources.Sampler({}).sample({0: big.pid})[0].memory_low
+    finally:
+        big.kill()
+        small.kill()
+        big.wait()
+        small.wait()

@@ -1,0 +1,145 @@
+"""What each rank uses, for its row in the view: CPU and memory of its whole
+process tree (the rank and what it started, DataLoader workers included),
+and its GPU's memory and utilisation.
+
+Sampled in the kernel, by the watch loop, at most once a second: nothing runs
+on a rank's training thread. CPU and memory come from psutil. GPUs are read
+through NVML (``nvidia-ml-py``, an optional dependency: ``pip install
+nblaunch[gpu]``), which never initialises CUDA in the kernel (that would rule
+out forking ranks); where NVML is absent, no GPU column is shown. A rank's
+memory is flagged when the machine's available memory falls under
+``LOW_MEMORY_FRACTION`` of the total, before the out-of-memory killer acts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+__all__ = ["Usage", "Sampler", "gpu_devices"]
+
+INTERVAL_S = 1.0
+LOW_MEMORY_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class Usage:
+    cpu_percent: float  # over the rank's process tree; 100 = one core
+    rss: int  # bytes, summed over the tree (shared pages counted in each process)
+    memory_low: bool  # the machine is close to running out, and this rank is among the largest
+    gpu: Optional[tuple[int, int, int, int]] = None  # (device, used bytes, total bytes, utilisation %)
+
+    def text(self) -> str:
+        parts = [f"cpu {self.cpu_percent:.0f}%", f"mem {_size(self.rss)}" + (" (memory low!)" if self.memory_low else "")]
+        if self.gpu is not None:
+            device, used, total, util = self.gpu
+            parts.append(f"gpu{device} {_size(used)}/{_size(total)} {util}%")
+        return " ".join(parts)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+class Sampler:
+    """``sample(pids)`` at most every ``INTERVAL_S``; None between samples."""
+
+    def __init__(self, devices: dict[int, int]):
+        """``devices``: local rank -> the GPU index it uses (empty on CPU)."""
+        self._procs: dict[int, psutil.Process] = {}
+        self._last = 0.0
+        self._devices = devices
+        self._nvml = _nvml() if devices else None
+
+    def sample(self, pids: dict[int, int]) -> Optional[dict[int, Usage]]:
+        now = time.monotonic()
+        if now - self._last < INTERVAL_S:
+            return None
+        self._last = now
+        children = _children_by_parent()  # one scan of the process table for every rank
+        usage = {}
+        for rank, pid in pids.items():
+            cpu = rss = 0.0
+            for proc in self._tree(pid, children):
+                try:
+                    with proc.oneshot():
+                        cpu += proc.cpu_percent(None)  # since the last sample (0 the first time)
+                        rss += proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            usage[rank] = (cpu, int(rss))
+        vm = psutil.virtual_memory()
+        low = vm.available < LOW_MEMORY_FRACTION * vm.total
+        biggest = max((rss for _, rss in usage.values()), default=0)
+        return {rank: Usage(cpu, rss, low and rss >= 0.5 * biggest, self._gpu(rank))
+                for rank, (cpu, rss) in usage.items()}
+
+    def _tree(self, pid: int, children: dict[int, list[int]]) -> list[psutil.Process]:
+        pids, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            pids.append(p)
+            todo += children.get(p, [])
+        procs = []
+        for p in pids:
+            # Reuse Process objects: cpu_percent measures since that object's last call.
+            proc = self._procs.get(p)
+            if proc is None:
+                try:
+                    proc = self._procs[p] = psutil.Process(p)
+                except psutil.Error:
+                    continue
+            procs.append(proc)
+        return procs
+
+    def _gpu(self, rank: int) -> Optional[tuple[int, int, int, int]]:
+        device = self._devices.get(rank)
+        if self._nvml is None or device is None:
+            return None
+        try:
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(device)
+            memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            util = self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            return device, int(memory.used), int(memory.total), int(util)
+        except Exception:
+            return None
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    return children
+
+
+def gpu_devices(local_ranks: list[int]) -> dict[int, int]:
+    """Local rank -> the NVML index of the GPU it uses (the rank sets device
+    ``local_rank`` when it has one), through ``CUDA_VISIBLE_DEVICES``; empty
+    without GPUs. Counting GPUs this way does not initialise CUDA."""
+    import os
+    import sys
+
+    torch = sys.modules.get("torch")
+    count = torch.cuda.device_count() if torch is not None else 0
+    if not count:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = list(range(count))
+    if visible:
+        try:
+            physical = [int(v) for v in visible.split(",") if v.strip()][:count]
+        except ValueError:  # GPU UUIDs: not mapped here
+            return {}
+    return {rank: physical[rank] for rank in local_ranks if rank < len(physical)}
+
+
+def _nvml():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # not installed, no driver, no GPU
+        return None
