@@ -23,7 +23,6 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message
 import tqdm.auto, tqdm.notebook
 import transformers.trainer
 import pytorch_lightning
-import matplotlib
 from nblaunch import notebook_launcher
 assert hasattr(sys, "ps1") and os.environ.get("FORCE_COLOR") == "1"   # the kernel is one
 """
