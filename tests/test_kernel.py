@@ -238,3 +238,39 @@ def test_a_hundred_launches_leave_the_kernel_as_they_found_it(kernel):
     assert ok == 100
     assert fd1 <= fd0 + 2 and th1 <= th0 and w1 <= w0, (fd0, th0, w0, fd1, th1, w1)
     assert mem1 - mem0 < 40, f"the kernel grew by {mem1 - mem0} MiB over 100 launches"
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_killed_kernel_takes_what_its_ranks_started_with_it(tmp_path, method):
+    """The OOM killer's way: SIGKILL to the kernel alone. The ranks die by
+    their parent-death signal; their janitors end what the ranks started,
+    including a child that ignores SIGTERM and a daemon that left the group."""
+    pid_file = tmp_path / "pids"
+    k = Kernel()
+    try:
+        k.execute_async(
+            "from nblaunch import notebook_launcher\n"
+            "def start_things(pid_file):\n"
+            "    import os, subprocess, time\n"
+            "    import psutil, torch.distributed as dist\n"
+            "    subprocess.Popen(['sleep', '1000'])\n"
+            "    subprocess.Popen(['bash', '-c', \"trap '' TERM; while true; do sleep 1; done\"])\n"
+            "    subprocess.Popen(['setsid', 'sleep', '1001'])\n"
+            "    time.sleep(2.5)   # the janitor notes the tree once a second\n"
+            "    mine = [p.pid for p in psutil.Process().children(recursive=True) if 'janitor' not in ' '.join(p.cmdline())]\n"
+            "    with open(f'{pid_file}.{dist.get_rank()}', 'w') as f:\n"
+            "        f.write(' '.join(map(str, [os.getpid()] + mine)))\n"
+            "    time.sleep(600)\n"
+            f"notebook_launcher(start_things, args=({str(pid_file)!r},), num_processes=2, "
+            f"start_method='{method}', display='none')\n")
+        deadline = time.monotonic() + 90
+        files = [tmp_path / f"pids.{r}" for r in (0, 1)]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline, "the ranks never wrote their pids"
+            time.sleep(0.1)
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        assert len(pids) >= 2 * 4  # each rank, its 3 children (and bash's own sleep)
+        os.kill(k.pid, signal.SIGKILL)
+        assert wait_gone(pids, timeout=5) == []
+    finally:
+        k.shutdown()
