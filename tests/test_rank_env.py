@@ -372,8 +372,18 @@ def test_accelerate_state_made_in_the_kernel_does_not_leak_into_ranks(nb, method
     assert _value(reply) == [[2, 0, True], [2, 1, False]]
 
 
-def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(nb, tmp_path):
+def test_every_line_of_accelerates_test_script_is_reachable_from_the_cell(tmp_path):
+    k = Kernel()  # its own: the script checks which rank is main, and expects a fresh notebook
+    try:
+        _every_line(k, tmp_path)
+    finally:
+        k.shutdown()
+
+
+def _every_line(nb, tmp_path):
     reply = nb.execute(textwrap.dedent(f"""
+        import os
+        from nblaunch import notebook_launcher
         os.chdir({str(tmp_path)!r})   # the script writes its check files in the working directory
         import json
         from accelerate.test_utils.scripts.test_script import main
