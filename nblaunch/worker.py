@@ -168,7 +168,7 @@ def _start_janitor() -> None:
                          stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     except OSError:
         os.close(write)
-        return
+        write = -1  # no janitor for this rank; do not try again every poll
     finally:
         os.close(read)
     _janitor_pipe = write
