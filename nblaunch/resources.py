@@ -46,10 +46,12 @@ def _size(n: int) -> str:
 class Sampler:
     """``sample(pids)`` at most every ``INTERVAL_S``; None between samples."""
 
-    def __init__(self, devices: dict[int, int]):
-        """``devices``: local rank -> the GPU index it uses (empty on CPU)."""
+    def __init__(self, devices: dict[int, int], first_after: float = INTERVAL_S):
+        """``devices``: local rank -> the GPU index it uses (empty on CPU).
+        The first sample is due ``first_after`` seconds in (by default a
+        second: a short launch never pays for one)."""
         self._procs: dict[int, psutil.Process] = {}
-        self._last = 0.0
+        self._last = time.monotonic() - INTERVAL_S + first_after
         self._devices = devices
         self._nvml = _nvml() if devices else None
 

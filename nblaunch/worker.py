@@ -464,6 +464,8 @@ def _end_children() -> None:
     """A rank's processes end with it, as under torchrun's process group
     kill: whatever fn started and left running (a server, a `sleep`, a
     daemon that is now our child as we are its subreaper)."""
+    if not _has_children():  # the usual case, without scanning the process table
+        return
     import psutil
 
     for _ in range(5):  # a killed child's own orphans come to us next

@@ -205,12 +205,12 @@ def test_a_rank_is_flagged_when_the_machine_runs_low_on_memory(monkeypatch):
         time.sleep(1.0)
         vm = namedtuple("vm", "total available")
         monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: vm(16 << 30, 1 << 30))
-        usage = resources.Sampler({}).sample({0: big.pid, 1: small.pid})
+        usage = resources.Sampler({}, first_after=0).sample({0: big.pid, 1: small.pid})
         assert usage[0].memory_low and not usage[1].memory_low  # the big one, before the OOM killer picks
         assert "(memory low!)" in usage[0].text()
         monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: vm(16 << 30, 8 << 30))
         time.sleep(resources.INTERVAL_S)
-        assert not resources.Sampler({}).sample({0: big.pid})[0].memory_low
+        assert not resources.Sampler({}, first_after=0).sample({0: big.pid})[0].memory_low
     finally:
         big.kill()
         small.kill()
