@@ -378,12 +378,6 @@ class WidgetDisplay(TextDisplay):
 
             self._handle = display(self.box, display_id=True)
 
-    @property
-    def log_html(self) -> str:
-        """Every line the pane holds now, oldest first (for tests and the static copy)."""
-        pages = [p.value for p in self._pages]
-        return "".join(pages) + self.live.value if self.box is not None else ""
-
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
         tag = f"<span style='color:{_PALETTE[rank % len(_PALETTE)]}'>[rank {rank}]</span> "
