@@ -3,9 +3,10 @@ from .data import sharded_loader
 from .errors import LaunchError, RankFailure, WorkerError
 from .launcher import LaunchResults, notebook_launcher
 from .progress import log, progress
+from .session import Ranks, start
 from .supervisor import LaunchTimeout
 
-__all__ = ["notebook_launcher", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError", "WorkerError", "LaunchTimeout",
+__all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError", "WorkerError", "LaunchTimeout",
            "RankFailure"]
 __version__ = "0.1.0"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["RELEASE", "Started", "Result", "Failure", "Progress", "Metrics", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,21 @@ class Result:
     rank: int
     payload: bytes
     shared: int = 0
+    call: int = 0  # which call of a live session this ends (0: a launch, or a session's start)
+    seq: int = -1  # collectives this rank has issued on the default group (-1: unknown)
 
 
 RELEASE = "release"  # kernel -> rank, on the go pipe: the result was taken
+CLOSE = "close"  # kernel -> a live rank, on the go pipe: leave
+
+
+@dataclass(frozen=True)
+class Call:
+    """Kernel -> a live rank, on the go pipe: run ``job`` (a
+    :func:`nblaunch.namespace.pack_call` payload) as call number ``id``."""
+
+    id: int
+    job: bytes
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class Failure:
     traceback: str
     exception: Optional[bytes]  # pickled exception object, when it pickles
     phase: str  # "setup", "load", "fn" or "result"
+    call: int = 0
+    seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class Progress:
     closed: bool
     time: float
     postfix: str = ""  # a tqdm bar's postfix ("loss=0.12, lr=1e-3")
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,9 +90,22 @@ class Metrics:
 
     rank: int
     points: tuple
+    call: int = 0
 
 
-Event = Union[Started, Result, Failure, Progress, Metrics]
+@dataclass(frozen=True)
+class GpuMemory:
+    """A rank's own reading of its GPU memory (``torch.cuda``), sent only
+    where the kernel cannot read it through NVML."""
+
+    rank: int
+    device: int
+    used: int  # bytes the rank's caching allocator holds
+    total: int
+    call: int = 0
+
+
+Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory]
 
 
 class EventSender:
@@ -96,6 +124,6 @@ class EventSender:
 
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure, Progress, Metrics)):
+    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory)):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event

@@ -130,6 +130,7 @@ class LaunchState:
     def __init__(self):
         self.state = "starting"
         self.world_size = 0
+        self.call = 0  # a live session's call number (0: a launch)
         self.method = self.backend = ""
         self.log_dir = ""
         self.first_rank = 0  # global rank of this node's local rank 0
@@ -142,14 +143,20 @@ class LaunchState:
         self.notices: list[str] = []
         self.changed = True
 
-    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
+    def begin(self, world_size: int, method: str, backend: str, log_dir: str, call: int = 0) -> None:
         self.world_size, self.method, self.backend, self.log_dir = world_size, method, backend, log_dir
+        self.call = call
         self.ranks = [RankState() for _ in range(world_size)]
 
     def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int) -> None:
         """Once the nodes have met: this node's ranks are ``first_rank`` on."""
         self.first_rank, self.world_size, self.node, self.num_nodes = first_rank, world_size, node, num_nodes
         self.changed = True
+
+    @property
+    def title(self) -> str:
+        """``nblaunch``, or ``nblaunch call 3`` on live ranks."""
+        return f"nblaunch call {self.call}" if self.call else "nblaunch"
 
     def label(self, local: int) -> int:
         return self.first_rank + local
@@ -251,10 +258,11 @@ class TextDisplay:
     def stream(self) -> TextIO:
         return self._stream or sys.stdout  # looked up late: the cell's stream
 
-    def begin(self, world_size: int, method: str, backend: str, log_dir: str) -> None:
-        self.state.begin(world_size, method, backend, log_dir)
+    def begin(self, world_size: int, method: str, backend: str, log_dir: str, call: int = 0) -> None:
+        self.state.begin(world_size, method, backend, log_dir, call)
         if self._show_status:  # at once: a quiet first minute should not look like a hang
-            self._pending.append(f"[nblaunch] starting {world_size} ranks ({method}, "
+            what = f"call {call} on {world_size} live ranks" if call else f"starting {world_size} ranks"
+            self._pending.append(f"[nblaunch] {what} ({method}, "
                                  f"{backend or 'no process group'}); full output: {log_dir}\n")
             self.flush()
 
@@ -428,7 +436,7 @@ class WidgetDisplay(TextDisplay):
 
     def static_text(self) -> str:
         st = self.state
-        lines = [f"nblaunch: {st.state} | {st.where}, {st.method}, {st.backend or 'no process group'}, "
+        lines = [f"{st.title}: {st.state} | {st.where}, {st.method}, {st.backend or 'no process group'}, "
                  f"{st.elapsed():.1f} s"]
         lines += [f"  {r.line(st.label(i))}" for i, r in enumerate(st.ranks)]
         lines += [f"  {notice}" for notice in st.notices[-3:]]
@@ -450,7 +458,7 @@ class WidgetDisplay(TextDisplay):
         st = self.state
         color = _STATE_COLOR.get(st.state, "#1565c0")
         self.header.value = (
-            f"<b style='color:{color}'>nblaunch: {st.state}</b> &nbsp; {st.where}, "
+            f"<b style='color:{color}'>{st.title}: {st.state}</b> &nbsp; {st.where}, "
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
             + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
         self._draw_log()

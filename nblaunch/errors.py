@@ -91,7 +91,7 @@ class RankFailure:
         if self.kind == "node":  # the launcher of a whole node ended its ranks
             return f"node {self.node} {self.message}; its ranks were stopped"
         if self.kind == "stopped":
-            return f"{self.label} was stopped by nblaunch after the failure above"
+            return f"{self.label} {self.message or 'was stopped by nblaunch after the failure above'}"
         return f"{self.label} exited with code {self.exitcode} without returning a result"
 
 
@@ -113,6 +113,32 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+# Frames of the machinery around fn, left out of a crash's stack.
+_MACHINERY = re.compile(r"/nblaunch/|/multiprocessing/|/threading\.py|/runpy\.py")
+
+
+def _split_fatal(lines: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """A rank's last lines, split into what it printed and, when it died in
+    C (faulthandler's "Fatal Python error" report), where: the error and the
+    crashing thread's own frames. The whole report is already in the rank's
+    output just above; the error keeps the part a reader needs, once."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if start is None:
+        return list(lines), []
+    printed = list(lines[:start])[-10:]
+    crash = [lines[start].removeprefix("Fatal Python error: ")]
+    rest = list(lines[start + 1:])
+    head = next((i for i, line in enumerate(rest)
+                 if line.startswith(("Current thread", "Stack (most recent call first)"))), None)
+    if head is not None:
+        for line in rest[head + 1:]:
+            if not line.strip():
+                break
+            if not _MACHINERY.search(line):
+                crash.append(line)
+    return printed, crash
+
+
 def root_cause(failures: list[RankFailure]) -> RankFailure:
     """The failure to blame: the earliest that is not a consequence of another;
     failing that, the earliest that a rank reported (not one nblaunch caused)."""
@@ -126,11 +152,12 @@ class WorkerError(LaunchError):
 
     Attributes: ``rank`` (global), ``node`` (None on one machine), ``exitcode``, ``signal``, ``remote_traceback`` (of the
     root-cause rank), ``failures`` (every rank that did not return, root cause
-    first), ``log_dir`` (where each rank's full output is kept). When the rank's
-    exception could be sent back it is chained as ``__cause__``.
+    first), ``log_dir`` (where each rank's full output is kept), ``note`` (on
+    live ranks: what became of them). When the rank's exception could be sent
+    back it is chained as ``__cause__``.
     """
 
-    def __init__(self, failures: list[RankFailure], log_dir: Optional[str] = None):
+    def __init__(self, failures: list[RankFailure], log_dir: Optional[str] = None, note: str = ""):
         cause = root_cause(failures)
         others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
         self.failures = [cause, *others]
@@ -140,6 +167,7 @@ class WorkerError(LaunchError):
         self.signal = cause.signal
         self.remote_traceback = cause.remote_traceback
         self.log_dir = log_dir
+        self.note = note
         super().__init__(self._render())
 
     @property
@@ -152,14 +180,21 @@ class WorkerError(LaunchError):
         if cause.remote_traceback:
             lines += ["", f"Traceback from {cause.label}:", cause.remote_traceback.rstrip()]
         if cause.kind != "exception" and cause.last_lines:
-            lines += ["", f"Last lines printed by {cause.label}:"]
-            lines += [f"  {line}" for line in cause.last_lines]
+            printed, crash = _split_fatal(cause.last_lines)
+            if printed:
+                lines += ["", f"Last lines printed by {cause.label}:"]
+                lines += [f"  {line}" for line in printed]
+            if crash:
+                lines += ["", f"Where {cause.label} crashed ({crash[0]}; most recent call first):"]
+                lines += [f"  {line.strip()}" for line in crash[1:]]
         others = self.failures[1:]
         if others:
             lines += ["", "Other ranks:"] + [f"  {f.summary()}" for f in others]
         if self.log_dir:
             whose = "this node's ranks" if any(f.node is not None for f in self.failures) else "every rank"
             lines += ["", f"Full output of {whose}: {self.log_dir}"]
+        if self.note:
+            lines += ["", self.note]
         return lines
 
     def _render(self) -> str:
@@ -171,4 +206,4 @@ class WorkerError(LaunchError):
         return [f"WorkerError: {line}" if i == 0 else line for i, line in enumerate(self._render_lines())]
 
     def __reduce__(self):
-        return (type(self), (self.failures, self.log_dir))
+        return (type(self), (self.failures, self.log_dir, self.note))

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
@@ -134,36 +135,23 @@ def _launch(fn, args, kwargs, num_processes, start_method, backend, init_process
             timeout, display, stall_warning, num_nodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id,
             rdzv_timeout, max_restarts, addr) -> list:
     """The validated launch, one attempt per restart."""
-    method, reason = choose_start_method(start_method)
-    resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
-    threads = threads_per_rank or default_threads(num_processes)
+    plan = plan_ranks(num_processes, start_method, backend, init_process_group, threads_per_rank,
+                      timeout, addr, max_restarts=max_restarts, run_id=rdzv_id if num_nodes > 1 else "none")
+    method, resolved_backend, ctx = plan.method, plan.backend, plan.ctx
     if method == "fork":
         job: Any = (fn, tuple(args), kwargs)  # inherited as it is: nothing is pickled
     else:
         check_sendable(fn, args, kwargs)
         job = CloudJob(fn, args, kwargs)
-        if method == "forkserver":
-            _preload_forkserver()
-
-    # Collectives give up a little after the launch would: the launch timeout
-    # then fires first and shows where every rank is, instead of gloo's error.
-    pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else min(
-        float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
     if num_nodes == 1:
-        group: Any = SingleNode(addr, num_processes, pg_timeout)
+        group: Any = SingleNode(addr, num_processes, plan.pg_timeout)
     else:
         group = NodeGroup(num_nodes=num_nodes, node_rank=node_rank, endpoint=rdzv_endpoint,
                           backend=rdzv_backend, run_id=rdzv_id, rdzv_timeout_s=float(rdzv_timeout),
-                          local_world_size=num_processes, addr=addr, store_timeout_s=pg_timeout)
-    ctx = multiprocessing.get_context(method)
+                          local_world_size=num_processes, addr=addr, store_timeout_s=plan.pg_timeout)
     global_method = multiprocessing.get_start_method(allow_none=True)
-    notices = [reason] if reason else []
-    specs_base = dict(
-        world_size=num_processes, local_world_size=num_processes, master_addr=addr,
-        kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
-        pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
-        run_id=rdzv_id if num_nodes > 1 else "none",
-        environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging())
+    notices = [plan.notice] if plan.notice else []
+    specs_base = plan.specs_base
     try:
         for attempt in range(max_restarts + 1):
             try:
@@ -211,6 +199,40 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
     finally:
         release_launch_dir(log_dir)
         view.close(outcome)
+
+
+@dataclass
+class RankPlan:
+    """How this node's ranks will be made: decided once per launch or session."""
+
+    method: str
+    notice: Optional[str]  # why auto did not fork
+    backend: Optional[str]  # None: no process group
+    ctx: Any
+    pg_timeout: float
+    specs_base: dict  # WorkerSpec fields shared by every rank
+
+
+def plan_ranks(num_processes: int, start_method: str, backend: str, init_process_group: bool,
+               threads_per_rank: Optional[int], timeout: Optional[float], addr: str,
+               max_restarts: int = 0, run_id: str = "none", live: bool = False) -> RankPlan:
+    """Start method, backend, threads and the ranks' common spec."""
+    method, reason = choose_start_method(start_method)
+    resolved_backend = _resolve_backend(backend, num_processes) if init_process_group else None
+    threads = threads_per_rank or default_threads(num_processes)
+    if method == "forkserver":
+        _preload_forkserver()
+    # Collectives give up a little after the launch would: the launch timeout
+    # then fires first and shows where every rank is, instead of gloo's error.
+    pg_timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else min(
+        float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
+    specs_base = dict(
+        world_size=num_processes, local_world_size=num_processes, master_addr=addr,
+        kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
+        pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
+        run_id=run_id, environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging(),
+        live=live)
+    return RankPlan(method, reason, resolved_backend, multiprocessing.get_context(method), pg_timeout, specs_base)
 
 
 def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:

@@ -11,6 +11,11 @@ Names the body uses from the notebook come with it: all of the namespace
 under fork (inherited), and under spawn/forkserver the names the body
 mentions, by value with cloudpickle. Errors are exactly those of
 ``notebook_launcher``.
+
+With live ranks (``%nblaunch start -n 4``, ``%nblaunch stop``; see
+:mod:`nblaunch.session`) each ``%%nblaunch`` cell runs on them instead, and
+the names a cell binds stay in each rank for the next cells, as ipyparallel's
+``%%px`` does. ``%nblaunch status`` says what is up.
 """
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ import itertools
 import linecache
 import os
 
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import namespace, session
+from .errors import LaunchError
 from .launcher import choose_start_method, notebook_launcher
 
 __all__ = ["NBLaunchMagics", "load_ipython_extension"]
@@ -33,11 +40,22 @@ _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", 
 def run_cell_body(source: str, filename: str, names: dict):
     """In a rank: execute ``source`` with ``names`` as globals; return the
     value of its last expression (None if it ends with a statement)."""
+    return _exec_cell(source, filename, dict(names))
+
+
+def run_cell_live(source: str, filename: str, names: dict):
+    """In a live rank: the same, in the rank's own namespace, where the
+    names the cell binds stay for the next cell."""
+    ns = namespace.current()
+    ns.bring(names)
+    return _exec_cell(source, filename, ns.names)
+
+
+def _exec_cell(source: str, filename: str, scope: dict):
     import torch.distributed as dist
 
     # Register the source so tracebacks from this rank show the cell's lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    scope = dict(names)
     scope["rank"] = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     scope["world_size"] = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     tree = ast.parse(source, filename)
@@ -50,27 +68,61 @@ def run_cell_body(source: str, filename: str, names: dict):
 
 @magics_class
 class NBLaunchMagics(Magics):
+    """``%%nblaunch`` runs a cell on every rank; ``%nblaunch start|stop|status`` manages live ranks."""
+
+    ranks = None  # the live ranks %nblaunch start made
+
     @magic_arguments()
-    @argument("-n", "--num-processes", type=int, default=2, help="number of ranks (default 2)")
+    @argument("action", nargs="?", default=None, help="start, stop or status (line magic only)")
+    @argument("-n", "--num-processes", type=int, default=None, help="number of ranks (default 2)")
     @argument("--start-method", default="auto", help="auto, fork, forkserver or spawn")
     @argument("--backend", default="auto", help="auto, gloo, nccl, ...")
     @argument("--timeout", type=float, default=None, help="seconds before the launch is stopped")
     @argument("--display", default="auto", help="auto, widget, text or none")
-    @cell_magic
-    def nblaunch(self, line: str, cell: str):
-        """Run this cell on every rank; the result is the list of each rank's last expression."""
+    @line_cell_magic
+    def nblaunch(self, line: str, cell=None):
+        """Run this cell on every rank (on the live ranks if they are up); the result is the list of
+        each rank's last expression. As a line magic: ``start -n N``, ``stop``, ``status``."""
         opts = parse_argstring(self.nblaunch, line)
+        if cell is None:
+            return self._line(opts)
+        if opts.action is not None:
+            raise LaunchError(f"%%nblaunch takes options only, not {opts.action!r}; "
+                              "use the line magic %nblaunch start|stop|status")
         user_ns = self.shell.user_ns
+        filename = f"<nblaunch-cell-{next(_counter)}>"
+        live = session.active()
+        if live is not None and opts.num_processes in (None, live.num_processes):
+            names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
+            return live.run(run_cell_live, cell, filename, names, timeout=opts.timeout,
+                            display=None if opts.display == "auto" else opts.display)
         method, _ = choose_start_method(opts.start_method)
         if method == "fork":
             names = {k: v for k, v in user_ns.items() if k not in _IPYTHON_NAMES}
         else:
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
-        filename = f"<nblaunch-cell-{next(_counter)}>"
         return notebook_launcher(
-            run_cell_body, args=(cell, filename, names), num_processes=opts.num_processes,
+            run_cell_body, args=(cell, filename, names), num_processes=opts.num_processes or 2,
             start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
             display=opts.display)
+
+    def _line(self, opts):
+        if opts.action == "start":
+            type(self).ranks = session.start(opts.num_processes or 2, start_method=opts.start_method,
+                                             backend=opts.backend, display=opts.display)
+            print(f"nblaunch: {type(self).ranks.status}")
+        elif opts.action == "stop":
+            live = session.active()
+            if live is not None:
+                live.close()
+            type(self).ranks = None
+            print("nblaunch: live ranks closed" if live is not None else "nblaunch: no live ranks were up")
+        elif opts.action == "status":
+            live = session.active()
+            print(f"nblaunch: {live.status}" if live is not None else "nblaunch: no live ranks are up")
+        else:
+            raise LaunchError(f"%nblaunch takes start, stop or status, got {opts.action!r}; "
+                              "to run a cell on the ranks, use %%nblaunch")
 
 
 def _names_used(source: str) -> set[str]:

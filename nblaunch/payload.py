@@ -48,11 +48,10 @@ def _rebuild_code(reduced, filename: str, lines: list) -> types.CodeType:
 cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
 
 
-class _SharingPickler(cloudpickle.Pickler):
-    # torch registers its tensor/storage reducers with ForkingPickler when
-    # torch.multiprocessing is imported (torch imports it itself).
-    dispatch_table = ChainMap({types.CodeType: _reduce_code}, ForkingPickler._extra_reducers,
-                              cloudpickle.Pickler.dispatch_table)
+class NotebookPickler(cloudpickle.Pickler):
+    """cloudpickle, keeping a cell's source for tracebacks (see ``_reduce_code``)."""
+
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj):
         # IPython's `open` (what a cell's `open()` finds) wraps io.open under
@@ -62,6 +61,13 @@ class _SharingPickler(cloudpickle.Pickler):
         if getattr(obj, "__wrapped__", None) is io.open and type(obj) is types.FunctionType:
             return (getattr, (builtins, "open"))
         return super().reducer_override(obj)
+
+
+class _SharingPickler(NotebookPickler):
+    # torch registers its tensor/storage reducers with ForkingPickler when
+    # torch.multiprocessing is imported (torch imports it itself).
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, ForkingPickler._extra_reducers,
+                              cloudpickle.Pickler.dispatch_table)
 
 
 def sharing_pickler(file) -> cloudpickle.Pickler:

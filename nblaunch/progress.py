@@ -25,11 +25,12 @@ import time
 import weakref
 from typing import Iterable, Optional
 
-from .channel import Metrics, Progress
+from .channel import GpuMemory, Metrics, Progress
 
 __all__ = ["progress", "log", "mirror_tqdm"]
 
 SEND_HZ = 10
+GPU_EVERY_S = 1.0
 MAX_PENDING_METRICS = 100_000
 
 
@@ -46,6 +47,7 @@ class _Reporter:
         self.bars: dict[int, object] = {}
         self.metrics: collections.deque = collections.deque(maxlen=MAX_PENDING_METRICS)
         self.step = 0
+        self.call = 0  # the live-session call these bars belong to
         self._keys = itertools.count(1)
         self._sent: dict[int, tuple] = {}
         self._wake = threading.Event()
@@ -55,13 +57,25 @@ class _Reporter:
         self.bars[next(self._keys)] = bar
 
     def _loop(self) -> None:
+        next_gpu = time.monotonic() + GPU_EVERY_S
         while True:
             self._wake.wait(1.0 / SEND_HZ)
             self._wake.clear()
             try:
                 self.flush()
+                if time.monotonic() >= next_gpu:
+                    next_gpu = time.monotonic() + GPU_EVERY_S
+                    self.send_gpu_memory()
             except Exception:  # the kernel went away: the rank is about to die anyway
                 return
+
+    def send_gpu_memory(self) -> None:
+        """Where NVML is missing, the kernel cannot see GPU memory without
+        initialising CUDA itself (which would rule out forking ranks), so a
+        rank that already uses CUDA reads its own, from torch, once a second."""
+        reading = _torch_gpu_memory()
+        if reading is not None:
+            self._sender.send(GpuMemory(self._rank, *reading, self.call))
 
     def flush(self) -> None:
         for key, bar in list(self.bars.items()):
@@ -71,7 +85,8 @@ class _Reporter:
                 state = (*last[:3], True, *last[4:]) if last else None
             if state is not None and state[:5] != (last or ())[:5]:
                 desc, n, total, closed, postfix, when = state
-                self._sender.send(Progress(self._rank, key, desc, n, total, closed, when or time.time(), postfix))
+                self._sender.send(Progress(self._rank, key, desc, n, total, closed, when or time.time(), postfix,
+                                           self.call))
                 self._sent[key] = state
             if state is None or state[3]:  # closed: its last state is sent
                 self.bars.pop(key, None)
@@ -80,16 +95,48 @@ class _Reporter:
             points = []
             while self.metrics:
                 points.append(self.metrics.popleft())
-            self._sender.send(Metrics(self._rank, tuple(points)))
+            self._sender.send(Metrics(self._rank, tuple(points), self.call))
 
 
 _reporter: Optional[_Reporter] = None
+_nvml_present: Optional[bool] = None
+
+
+def _torch_gpu_memory() -> Optional[tuple[int, int, int]]:
+    """``(device, bytes reserved by torch, device total)`` when this rank has
+    initialised CUDA and NVML is not installed; else None. Never initialises CUDA."""
+    global _nvml_present
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    if _nvml_present is None:
+        try:
+            import pynvml  # noqa: F401 - the kernel reads GPUs itself then
+            _nvml_present = True
+        except ImportError:
+            _nvml_present = False
+    if _nvml_present:
+        return None
+    device = torch.cuda.current_device()
+    _, total = torch.cuda.mem_get_info(device)
+    return device, int(torch.cuda.memory_reserved(device)), int(total)
 
 
 def _start(sender, rank: int) -> None:
     """Called by the worker once the event channel is up."""
     global _reporter
     _reporter = _Reporter(sender, rank)
+
+
+def _new_call(call: int) -> None:
+    """A live rank starts call ``call``: bars and metrics of the last one
+    (an interrupted call may leave bars open) are dropped, not carried over."""
+    if _reporter is not None:
+        _reporter.bars.clear()
+        _reporter._sent.clear()
+        _reporter.metrics.clear()
+        _reporter.step = 0
+        _reporter.call = call
 
 
 def _finish() -> None:

@@ -6,7 +6,8 @@ Sampled in the kernel, by the watch loop, at most once a second: nothing runs
 on a rank's training thread. CPU and memory come from psutil. GPUs are read
 through NVML (``nvidia-ml-py``, an optional dependency: ``pip install
 nblaunch[gpu]``), which never initialises CUDA in the kernel (that would rule
-out forking ranks); where NVML is absent, no GPU column is shown. A rank's
+out forking ranks); where NVML is absent, a rank that uses CUDA reports the
+memory torch holds on its device itself (``progress.send_gpu_memory``), without utilisation. A rank's
 memory is flagged when the machine's available memory falls under
 ``LOW_MEMORY_FRACTION`` of the total, before the out-of-memory killer acts.
 """
@@ -29,13 +30,13 @@ class Usage:
     cpu_percent: float  # over the rank's process tree; 100 = one core
     rss: int  # bytes, summed over the tree (shared pages counted in each process)
     memory_low: bool  # the machine is close to running out, and this rank is among the largest
-    gpu: Optional[tuple[int, int, int, int]] = None  # (device, used bytes, total bytes, utilisation %)
+    gpu: Optional[tuple] = None  # (device, used bytes, total bytes, utilisation % or None)
 
     def text(self) -> str:
         parts = [f"cpu {self.cpu_percent:.0f}%", f"mem {_size(self.rss)}" + (" (memory low!)" if self.memory_low else "")]
         if self.gpu is not None:
             device, used, total, util = self.gpu
-            parts.append(f"gpu{device} {_size(used)}/{_size(total)} {util}%")
+            parts.append(f"gpu{device} {_size(used)}/{_size(total)}" + (f" {util}%" if util is not None else ""))
         return " ".join(parts)
 
 
@@ -54,6 +55,7 @@ class Sampler:
         self._last = time.monotonic() - INTERVAL_S + first_after
         self._devices = devices
         self._nvml = _nvml() if devices else None
+        self.reported: dict[int, tuple] = {}  # local rank -> its own GPU reading, without NVML
 
     def sample(self, pids: dict[int, int]) -> Optional[dict[int, Usage]]:
         now = time.monotonic()
@@ -96,10 +98,10 @@ class Sampler:
             procs.append(proc)
         return procs
 
-    def _gpu(self, rank: int) -> Optional[tuple[int, int, int, int]]:
+    def _gpu(self, rank: int) -> Optional[tuple]:
         device = self._devices.get(rank)
         if self._nvml is None or device is None:
-            return None
+            return self.reported.get(rank)
         try:
             handle = self._nvml.nvmlDeviceGetHandleByIndex(device)
             memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import psutil
 
-from .channel import RELEASE, Failure, Metrics, Progress, Result, Started, decode
+from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, decode
 from .errors import LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
 from .resources import Sampler, gpu_devices
 from .stacks import collect, format_stacks
@@ -87,6 +87,7 @@ class _Rank:
     tree: dict = field(default_factory=dict)
     events_open: bool = True
     output_open: bool = True
+    seq: int = -1  # collectives issued on the default group, as of its last report (live ranks)
 
     @property
     def rank(self) -> int:
@@ -120,6 +121,7 @@ class Supervisor:
         self._result_bytes = 0  # results received so far, all ranks
         self._sampler = Sampler(gpu_devices([spec.local_rank for spec in specs]))
         self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
+        self._call = 0  # events of other calls (a live session's) are not this watch's
         self._release = threading.Event()  # set: start no more ranks
         self._started = threading.Event()  # set: the starter has started every rank
         self._starter: Optional[_Starter] = None
@@ -245,40 +247,47 @@ class Supervisor:
 
     def _watch(self) -> None:
         t0 = time.monotonic()
-        while True:
-            live = [r for r in self._ranks if not r.exited]
-            if not live:
-                break
-            handles: dict[Any, tuple[_Rank, Callable]] = {}
-            for r in live:
-                if r.events_open:
-                    handles[r.events] = (r, self._read_events)
-                if r.output_open:
-                    handles[r.output] = (r, self._read_output)
-                handles[r.proc.sentinel] = (r, self._on_exit)
-            for ready in wait(list(handles), timeout=_TICK_S):
-                rank, handler = handles[ready]
-                if not rank.exited:
-                    handler(rank)
-            now = time.monotonic()
-            if self._stop_at is not None and now >= self._stop_at:
-                self._begin_stop()
-            if self._stop_deadline is not None and now >= self._stop_deadline:
-                self._signal_live(signal.SIGKILL)
-                self._kill_orphans()
-                self._stop_deadline = float("inf")
-            if self._timeout is not None and now - t0 > self._timeout:
-                raise LaunchTimeout(f"the launch did not finish within {self._timeout:g} s; "
-                                    f"where each rank was (innermost frame first):\n{self._where()}\n"
-                                    f"The ranks were stopped. Full output: {self._log_dir}",
-                                    log_dir=str(self._log_dir))
-            self._check_stalls(now)
-            self._check_other_nodes()
-            usage = self._sampler.sample({r.rank: r.proc.pid for r in self._ranks
-                                          if r.started and not r.exited and r.proc.pid is not None})
-            if usage:
-                self._display.state.resources(usage)
-            self._display.tick()
+        while any(not r.exited for r in self._ranks):
+            self._pass()
+            if self._timeout is not None and time.monotonic() - t0 > self._timeout:
+                raise LaunchTimeout(self._timeout_message("The ranks were stopped."), log_dir=str(self._log_dir))
+
+    def _timeout_message(self, then: str) -> str:
+        return (f"the launch did not finish within {self._timeout:g} s; where each rank was "
+                f"(innermost frame first):\n{self._where()}\n{then} Full output: {self._log_dir}")
+
+    def _pass(self) -> None:
+        """One pass of the watch loop: whatever the ranks sent or did within
+        a tick, then the timers (a consequence's hold, the kill after a
+        grace, stalls, other nodes, resources) and a redraw."""
+        handles: dict[Any, tuple[_Rank, Callable]] = {}
+        for r in self._ranks:
+            if r.exited:
+                continue
+            if r.events_open:
+                handles[r.events] = (r, self._read_events)
+            if r.output_open:
+                handles[r.output] = (r, self._read_output)
+            handles[r.proc.sentinel] = (r, self._on_exit)
+        for ready in wait(list(handles), timeout=_TICK_S):
+            rank, handler = handles[ready]
+            if not rank.exited:
+                handler(rank)
+        now = time.monotonic()
+        if self._stop_at is not None and now >= self._stop_at:
+            self._stop_at = None
+            self._begin_stop()
+        if self._stop_deadline is not None and now >= self._stop_deadline:
+            self._signal_live(signal.SIGKILL)
+            self._kill_orphans()
+            self._stop_deadline = float("inf")
+        self._check_stalls(now)
+        self._check_other_nodes()
+        usage = self._sampler.sample({r.rank: r.proc.pid for r in self._ranks
+                                      if r.started and not r.exited and r.proc.pid is not None})
+        if usage:
+            self._display.state.resources(usage)
+        self._display.tick()
 
     def _read_output(self, r: _Rank, max_reads: Optional[int] = READS_PER_PASS) -> None:
         """Take what the rank wrote: at most ``max_reads`` chunks per pass, so
@@ -333,15 +342,19 @@ class Supervisor:
                 r.events_open = False
                 return
             state = self._display.state
+            if getattr(event, "call", 0) != self._call:
+                continue  # a live rank's bar of its last call, sent as that call ended
             if isinstance(event, Progress):
                 state.progress(event)
             elif isinstance(event, Metrics):
                 state.metrics(event)
+            elif isinstance(event, GpuMemory):
+                self._sampler.reported[r.rank] = (event.device, event.used, event.total, None)
             elif isinstance(event, Result):
                 self._take_result(r, event)
             elif isinstance(event, Failure):
-                r.failure = _failure_from_event(r, event)
-                state.set_rank(r.rank, "failed")
+                r.failure = self._failure_of(r, event)
+                state.set_rank(r.rank, "stopped" if r.failure.kind == "stopped" else "failed")
                 self._on_failure(r.failure)
             elif isinstance(event, Started):
                 r.started = True
@@ -373,6 +386,9 @@ class Supervisor:
                 r.go.send(RELEASE)
             except OSError:
                 pass
+
+    def _failure_of(self, r: _Rank, event: Failure) -> RankFailure:
+        return _failure_from_event(r, event)
 
     def _on_exit(self, r: _Rank) -> None:
         r.proc.join()

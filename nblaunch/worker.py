@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from . import progress, rank_env, stacks
-from .channel import EventSender, Failure, Result, Started
+from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Result, Started
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
 
@@ -63,6 +63,7 @@ class WorkerSpec:
     # at launch time (None: this process's own) and its root logging set-up.
     environ: Optional[dict] = None
     logging_setup: tuple = ()
+    live: bool = False  # a live session's rank: serves calls until told to close
 
 
 def current_spec() -> Optional[WorkerSpec]:
@@ -99,6 +100,14 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         os.environ.update(spec.env)
         sender.send(Started(local, os.getpid(), time.time()))
         made_group = _setup_torch(spec)
+        if spec.live:
+            phase = "ready"
+            sender.send(Result(local, pickle.dumps(None), call=0, seq=_group_seq()))
+            _serve(sender, go, local)
+            phase = "close"
+            if made_group:
+                _destroy_group()
+            _leave(0)
         phase = "load"
         fn, args, kwargs = _load(job)
         phase = "fn"
@@ -131,6 +140,80 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     if made_group:
         _destroy_group()
     _leave(0)
+
+
+def _serve(sender: EventSender, go: Connection, local: int) -> None:
+    """A live rank: run each :class:`Call` from the kernel in this rank's
+    namespace (:mod:`nblaunch.namespace`) until ``CLOSE``, reporting each
+    call's end. An exception ends the call, not the rank. SIGINT raises
+    ``KeyboardInterrupt`` only while a call's function runs (the kernel's
+    interrupt button); between calls it is ignored, so it never lands in the
+    middle of a report."""
+    from . import namespace
+
+    ns = namespace.current()
+    signal.signal(signal.SIGINT, _ignore_signal)
+    while True:
+        try:
+            msg = go.recv()
+        except EOFError:
+            return
+        if msg == RELEASE:  # the kernel took a result that needed no wait
+            continue
+        if msg == CLOSE or not isinstance(msg, Call):
+            return
+        progress._new_call(msg.id)
+        phase = "load"
+        try:
+            fn, args, kwargs = ns.load(msg.job)
+            phase = "fn"
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                value = fn(*args, **kwargs)
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise
+                value = None
+            finally:
+                signal.signal(signal.SIGINT, _ignore_signal)
+            ns.forget()
+            phase = "result"
+            payload, shared = _dump_result(_current.rank, value)
+            _check_size(_current.rank, value, len(payload) + shared)
+            progress._finish()
+            sender.send(Result(local, payload, shared, call=msg.id, seq=_group_seq()))
+            del value
+            if shared:  # keep the storages alive until the kernel has them
+                while go.recv() != RELEASE:
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - the call failed, the rank lives on
+            signal.signal(signal.SIGINT, _ignore_signal)
+            ns.forget()
+            try:
+                progress._finish()
+            except Exception:
+                pass
+            _report(sender, local, phase, exc, call=msg.id, seq=_group_seq())
+            del exc
+
+
+def _ignore_signal(signum, frame) -> None:
+    """SIGINT between a live rank's calls: nothing to interrupt."""
+
+
+def _group_seq() -> int:
+    """How many collectives this rank has issued on the default process group
+    (-1: no group, or torch cannot say). After a call that did not end well
+    everywhere, ranks that disagree are out of step: their next collective
+    would pair with the wrong peer operation."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return -1
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:
+        return -1
 
 
 _janitor_pipe: Optional[int] = None
@@ -410,7 +493,8 @@ def _check_size(rank: int, value: Any, size: int) -> None:
             "or save large outputs to disk and return their paths.")
 
 
-def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> None:
+def _report(sender: EventSender, rank: int, phase: str, exc: BaseException, call: int = 0,
+            seq: int = -1) -> None:
     try:
         pickled: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
@@ -423,6 +507,8 @@ def _report(sender: EventSender, rank: int, phase: str, exc: BaseException) -> N
         traceback=_format_user_traceback(exc),
         exception=pickled,
         phase=phase,
+        call=call,
+        seq=seq,
     )
     try:
         sender.send(failure)

@@ -241,6 +241,18 @@ def test_segfault_names_the_signal_and_shows_the_last_output(method):
     assert "SIGSEGV(-11)" in str(err)
     assert "touching address 0" in str(err)
     assert "Segmentation fault" in str(err)  # faulthandler's report, captured from fd 2
+    # The crash site, once: fn's frame, not the launcher's or other threads'.
+    assert "Where rank 0 crashed (Segmentation fault; most recent call first):" in str(err)
+    assert "in segfault_on_rank_0" in str(err)
+    assert "nblaunch" not in str(err).split("crashed")[1].split("Other ranks")[0].replace("nblaunch/logs", "")
+
+
+def test_a_segfault_report_is_printed_once_in_text_mode(capsys):
+    with pytest.raises(WorkerError) as info:
+        notebook_launcher(segfault_on_rank_0, num_processes=2, display="text")
+    shown = capsys.readouterr().out + str(info.value)
+    assert shown.count("Fatal Python error: Segmentation fault") == 1, shown
+    assert shown.count("touching address 0") == 2  # the rank's line as it came, and in the error
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver"])

@@ -216,3 +216,26 @@ def test_a_rank_is_flagged_when_the_machine_runs_low_on_memory(monkeypatch):
         small.kill()
         big.wait()
         small.wait()
+
+
+def test_gpu_memory_without_nvml_comes_from_the_rank(kernel):
+    from conftest import rows_updates
+
+    """This machine has no GPU: inside the ranks, torch.cuda's answers are
+    faked (an initialised context holding 1 GiB of an 80 GiB device) and
+    pynvml is made unimportable. The launch, the event and the row are real."""
+    r = kernel.execute(textwrap.dedent("""
+        import sys, time, torch
+        from nblaunch import notebook_launcher
+        def fake_gpu_rank():
+            sys.modules["pynvml"] = None  # NVML absent
+            torch.cuda.is_initialized = lambda: True
+            torch.cuda.current_device = lambda: 0
+            torch.cuda.mem_get_info = lambda device=None: (79 << 30, 80 << 30)
+            torch.cuda.memory_reserved = lambda device=None: 1 << 30
+            time.sleep(3.0)
+        notebook_launcher(fake_gpu_rank, num_processes=2, display="widget")
+        """))
+    assert r.error is None, r.error
+    texts = [text for update in rows_updates(r.outputs) for _, _, text in update.rows]
+    assert any("gpu0 1.0 GiB/80.0 GiB" in t for t in texts), texts[-2:]
