@@ -202,7 +202,7 @@ def interrupt(n: int, reps: int) -> dict:
     k = BenchKernel()
     times = []
     try:
-        k.run(SETUP + f"\nN = {n}\nranks = nblaunch.start(N)\n")
+        k.run(SETUP + f"\nN = {n}\nranks = nblaunch.start(N, display='text')\n")
         for _ in range(reps):
             msg = k.kc.execute("ranks.run(spin)")
             _wait_stream(k, "spinning")

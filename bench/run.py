@@ -174,6 +174,26 @@ def measure_relaunch(reps) -> dict:
         kernel.close()
 
 
+def measure_first_launch(reps) -> dict:
+    """The first launch in a fresh kernel (torch and nblaunch imported in an
+    earlier cell, as a notebook would), nblaunch with its default view against
+    torch.multiprocessing fork; each launcher in its own fresh kernel,
+    alternating, median of ``reps``."""
+    times: dict[str, list] = {"nblaunch": [], "torch_fork": []}
+    for _ in range(reps):
+        for name in times:
+            kernel = BenchKernel()
+            try:
+                kernel.run(SETUP + "\nimport nblaunch\n")  # the user's import cell
+                times[name].append(kernel.seconds(f"launch_{name}(2)"))
+            finally:
+                kernel.close()
+    out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+    out["nblaunch/torch_fork"] = out["nblaunch_s"] / out["torch_fork_s"]
+    out["raw"] = times
+    return out
+
+
 FAILURE_SETUP = r'''
 import contextlib, io, tempfile
 import signal as _signal
@@ -481,6 +501,7 @@ def main(argv=None) -> int:
     times = measure(sizes, reps)
     summary = summarise(times, sizes)
     summary["relaunch_2_ranks"] = measure_relaunch(reps)
+    summary["first_launch_2_ranks"] = measure_first_launch(1 if opts.smoke else 5)
     summary["failure_latency_s"] = measure_failure(reps)
     summary["spawn_2_ranks"] = measure_spawn(1 if opts.smoke else 3)
     summary["memory"] = measure_memory(64 if opts.smoke else 1024, 2 if opts.smoke else 4)
@@ -496,6 +517,9 @@ def main(argv=None) -> int:
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
     print()
     print(failure_table(summary["failure_latency_s"]))
+    fl = summary["first_launch_2_ranks"]
+    print(f"first launch in a fresh kernel, 2 ranks: nblaunch {fl['nblaunch_s']:.3f} s, torch fork "
+          f"{fl['torch_fork_s']:.3f} s, ratio {fl['nblaunch/torch_fork']:.2f} (goal <= 1.5)")
     sp = summary["spawn_2_ranks"]
     print(f"spawn, 2 ranks: nblaunch (notebook fn) {sp['nblaunch_spawn_notebook_fn_s']:.3f} s, torch "
           f"(importable fn) {sp['torch_spawn_module_fn_s']:.3f} s, ratio {sp['nblaunch/torch_spawn']:.2f}; "

@@ -12,7 +12,7 @@ from numbers import Real
 from typing import Any, Callable, Optional, Sequence
 
 from . import rank_env, worker
-from .display import make_display
+from .display import SHOW_AFTER_S, make_display
 from .errors import LaunchError, WorkerError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import NodeGroup, SingleNode, route_address
@@ -179,7 +179,7 @@ def _attempt(ctx, method, job, group, attempt, specs_base, num_processes, resolv
     specs = [worker.WorkerSpec(rank=local, local_rank=local, restart_count=attempt,
                                stack_file=str(log_dir / f"local{local}.stacks"), **specs_base)
              for local in range(num_processes)]
-    view = make_display(display)
+    view = make_display(display, show_after=SHOW_AFTER_S)
     view.begin(num_processes, method, resolved_backend or "", str(log_dir))
     for text in notices + ([log_notice] if log_notice else []):
         view.notice(text)

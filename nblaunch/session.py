@@ -37,7 +37,7 @@ import psutil
 
 from . import launcher, namespace, worker
 from .channel import CLOSE, Call, Failure, Result
-from .display import TextDisplay, make_display
+from .display import SHOW_AFTER_S, TextDisplay, make_display
 from .errors import LaunchError, RankFailure, WorkerError, render_interrupt
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import SingleNode
@@ -425,7 +425,7 @@ class Ranks:
                 self._up()
             sup = self._gen.supervisor
             self._calls += 1
-            view = make_display(display)
+            view = make_display(display, show_after=SHOW_AFTER_S)
             view.begin(self.num_processes, self._plan.method, self._plan.backend or "", sup.log_dir,
                        call=self._calls)
             try:
