@@ -88,7 +88,7 @@ def _missing(app: str) -> str:
 
 
 @contextlib.contextmanager
-def _serve(tmp_path: Path, app: str):
+def _serve(tmp_path: Path, app: str, dark: bool = False):
     """A Jupyter server (``app``: ``"jupyterlab"`` or ``"notebook"``, for
     Notebook 7) on loopback serving ``tmp_path``; yields a function that
     opens a notebook in headless Chromium once its kernel is idle."""
@@ -107,6 +107,8 @@ def _serve(tmp_path: Path, app: str):
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))  # no news toast over the view
+    if dark:
+        (settings / "themes.jupyterlab-settings").write_text(json.dumps({"theme": "JupyterLab Dark"}))
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"))
     env.pop("PYTEST_CURRENT_TEST", None)  # as a user's server: ipykernel captures fds again
     app_class = "LabApp" if app == "jupyterlab" else "JupyterNotebookApp"
@@ -159,6 +161,12 @@ def _serve(tmp_path: Path, app: str):
 @pytest.fixture
 def lab(tmp_path):
     with _serve(tmp_path, "jupyterlab") as open_notebook:
+        yield open_notebook
+
+
+@pytest.fixture
+def lab_dark(tmp_path):
+    with _serve(tmp_path, "jupyterlab", dark=True) as open_notebook:
         yield open_notebook
 
 
@@ -264,3 +272,69 @@ def test_quickstart_tutorial_in_notebook7(notebook7, tmp_path):
     assert view["bars"] == [["finished", 1.0]] * 2 and view["lines"] == 2, view
     page.wait_for_selector("text=loss went down on every rank: True", timeout=30_000)
     page.screenshot(path=str(_artifacts() / "notebook7-quickstart.png"), full_page=True)
+
+
+READ_COLOURS = """() => {
+  const view = document.querySelector('.nblaunch-view');
+  const cell = view.closest('.jp-Cell') || document.body;
+  let bg = 'rgba(0, 0, 0, 0)', e = view;
+  while (e && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg)) { bg = getComputedStyle(e).backgroundColor; e = e.parentElement; }
+  const texts = ['.nblaunch-text', '.nblaunch-label', 'b', 'small', 'pre']
+      .map(sel => view.querySelector(sel)).filter(Boolean).map(el => getComputedStyle(el).color);
+  return {bg, texts};
+}"""
+
+
+def _contrast(css_a: str, css_b: str) -> float:
+    """WCAG 2 contrast ratio of two ``rgb(...)`` colours (1 to 21)."""
+    def luminance(css: str) -> float:
+        channels = [float(v) / 255 for v in css[css.index("(") + 1:].rstrip(")").split(",")[:3]]
+        r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    high, low = sorted((luminance(css_a), luminance(css_b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_eight_ranks_in_the_dark_theme_and_the_saved_notebook_reopened(lab_dark, tmp_path):
+    """Readable with 8 ranks in JupyterLab's dark theme (the screenshot is
+    kept to look at), and the notebook saved the default way (no widget
+    state) shows the final view when opened again, not "model not found"."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(LIVE_TRAIN),
+                nbformat.v4.new_code_cell("results = notebook_launcher(train, args=(30,), num_processes=8)"),
+                nbformat.v4.new_code_cell("print('results:', results)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "eight.ipynb")
+    page = lab_dark("eight.ipynb")
+    assert page.evaluate("() => document.body.dataset.jpThemeLight") == "false"  # the dark theme is on
+    _run_all(page)
+    page.wait_for_selector("text=results: [0, 1, 2, 3, 4, 5, 6, 7]", timeout=240_000)
+    view = _wait_view(page, lambda v: _ended(v) and len(v["bars"]) == 8, timeout_s=30)
+    assert view["header"].startswith("nblaunch: finished") and view["bars"] == [["finished", 1.0]] * 8, view
+    assert view["lines"] == 8, view  # a loss line per rank
+    colours = page.evaluate(READ_COLOURS)
+    assert _contrast(colours["bg"], "rgb(0, 0, 0)") < 2, colours  # a dark background
+    for text in colours["texts"]:  # every kind of text in the view, readable on it (WCAG AA, large/bold text)
+        assert _contrast(text, colours["bg"]) >= 3, colours
+    page.locator(".jp-Cell").nth(1).screenshot(path=str(_artifacts() / "jupyterlab-dark-8-ranks.png"))
+
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    deadline = time.monotonic() + 30
+    while True:
+        saved = nbformat.read(tmp_path / "eight.ipynb", as_version=4)
+        html = [o["data"].get("text/html", "") for o in saved.cells[1].get("outputs", []) if "data" in o]
+        if any("nblaunch-view" in h for h in html) or time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(200)
+    assert any("nblaunch: finished" in h and "rank 7" in h for h in html), html
+    assert "widget-state" not in json.dumps(saved.metadata)  # saved without widget state
+    page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+    page.close()
+
+    again = lab_dark("eight.ipynb")  # the saved file, opened afresh; nothing re-runs
+    again.wait_for_selector(".nblaunch-view", timeout=30_000)
+    reopened = _read(again)
+    assert reopened["header"].startswith("nblaunch: finished") and len(reopened["bars"]) == 8, reopened
+    body = again.inner_text("body")
+    assert "Error displaying widget" not in body and "model not found" not in body

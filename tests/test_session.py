@@ -252,7 +252,10 @@ def test_each_call_has_its_own_live_view(kernel):
             "    return n\n"
             "ranks.run(epoch, {n})")
     first = kernel.execute(code.format(n=20))
-    second = kernel.execute(code.format(n=30))
+    # tqdm in a live rank drives its row as in a launch (rank_env applies to live ranks too).
+    second = kernel.execute(code.replace("nblaunch.progress(range(n), desc='epoch')",
+                                         "tqdm(range(n), desc='epoch')").format(n=30)
+                            .replace("def epoch", "from tqdm.auto import tqdm\ndef epoch"))
     for r, n in ((first, 20), (second, 30)):
         assert r.error is None
         final = rows_updates(r.outputs)[-1].rows

@@ -82,3 +82,22 @@ def test_a_loss_over_several_decades_is_drawn_on_a_log_axis_with_values():
     assert max(ys) - min(ys) > 100  # the curve uses the plot's height, not one flat line
     flat = _svg_chart("lr", {0: [(i, 0.1 + i * 0.001) for i in range(10)]})
     assert "data-scale='linear'" in flat and ">0.1</text>" in flat
+
+
+def test_the_view_colours_read_on_light_and_dark_backgrounds():
+    """Rank colours (tags, chart lines, legend) and state colours (header,
+    bars): WCAG contrast >= 3 on white and on JupyterLab Dark's #111111."""
+    from nblaunch import display
+
+    def luminance(hex_colour: str) -> float:
+        channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    def contrast(a: str, b: str) -> float:
+        high, low = sorted((luminance(a), luminance(b)), reverse=True)
+        return (high + 0.05) / (low + 0.05)
+
+    for colour in [*display._PALETTE, *display._STATE_COLOR.values()]:
+        for background in ("#ffffff", "#111111"):
+            assert contrast(colour, background) >= 3, (colour, background, contrast(colour, background))
