@@ -29,13 +29,18 @@ def render_interrupt(exc: KeyboardInterrupt, lines: list[str]) -> None:
     exc._render_traceback_ = lambda: list(lines)
 
 
+NBLAUNCH_ENDED = ("stopped", "interrupted")  # kinds nblaunch caused: never a root cause
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What is known about one rank that did not return a result.
 
     ``kind`` is ``"exception"`` (fn or the set-up raised), ``"signal"`` (the
     process died from a signal it did not expect), ``"exit"`` (it exited with a
-    code and no report), ``"stopped"`` (nblaunch stopped it after another
+    code and no report), ``"interrupted"`` (on live ranks: nblaunch
+    interrupted its call after another rank failed; the rank lives on),
+    ``"stopped"`` (nblaunch stopped it after another
     rank failed) or ``"node"`` (another node's launcher was interrupted or
     timed out; ``rank`` is that node's first rank). ``time`` is the wall-clock time the failure was observed:
     inside the rank for exceptions, in the kernel for deaths.
@@ -70,7 +75,7 @@ class RankFailure:
         ("Connection closed by peer" in gloo, "remote process exited" in NCCL);
         that error is real but it is not the root cause.
         """
-        if self.kind == "stopped":
+        if self.kind in NBLAUNCH_ENDED:
             return True
         if self.kind != "exception":
             return False
@@ -91,7 +96,9 @@ class RankFailure:
         if self.kind == "node":  # the launcher of a whole node ended its ranks
             return f"node {self.node} {self.message}; its ranks were stopped"
         if self.kind == "stopped":
-            return f"{self.label} {self.message or 'was stopped by nblaunch after the failure above'}"
+            return f"{self.label} was stopped by nblaunch after the failure above"
+        if self.kind == "interrupted":
+            return f"{self.label}: its call was interrupted by nblaunch after the failure above (the rank is kept)"
         return f"{self.label} exited with code {self.exitcode} without returning a result"
 
 
@@ -143,7 +150,7 @@ def root_cause(failures: list[RankFailure]) -> RankFailure:
     """The failure to blame: the earliest that is not a consequence of another;
     failing that, the earliest that a rank reported (not one nblaunch caused)."""
     primary = [f for f in failures if not f.is_consequence]
-    reported = [f for f in failures if f.kind != "stopped"]
+    reported = [f for f in failures if f.kind not in NBLAUNCH_ENDED]
     return min(primary or reported or failures, key=lambda f: f.time)
 
 

@@ -235,8 +235,8 @@ class _LiveSupervisor(Supervisor):
     def _failure_of(self, r: _Rank, event: Failure) -> RankFailure:
         r.seq = event.seq
         if r.rank in self._interrupted and event.exc_type == "KeyboardInterrupt":
-            return r.failure_at("stopped", event.time, exc_type=event.exc_type, remote_traceback=event.traceback,
-                                message="was interrupted by nblaunch after the failure above")
+            return r.failure_at("interrupted", event.time, exc_type=event.exc_type,
+                                remote_traceback=event.traceback)
         return super()._failure_of(r, event)
 
     def _take_result(self, r: _Rank, event: Result) -> None:
@@ -374,7 +374,7 @@ class Ranks:
         dead = sup.dead()
         what = f"{self.num_processes} ranks ({self._plan.method}, {self._plan.backend or 'no process group'})"
         if dead:
-            return (f"down: {_ranks_label(dead)} ended outside a call; the next run restarts the ranks "
+            return (f"down: {_ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
                     f"(their state is lost) | {what}")
         restarts = f", restarted {self.restarts}x" if self.restarts else ""
         return f"up: {what}, {self._calls} calls{restarts} | output: {sup.log_dir}"

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import psutil
 
 from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, decode
-from .errors import LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
+from .errors import NBLAUNCH_ENDED, LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
 from .resources import Sampler, gpu_devices
 from .stacks import collect, format_stacks
 from .worker import WorkerSpec, max_result_bytes, run_worker
@@ -354,7 +354,7 @@ class Supervisor:
                 self._take_result(r, event)
             elif isinstance(event, Failure):
                 r.failure = self._failure_of(r, event)
-                state.set_rank(r.rank, "stopped" if r.failure.kind == "stopped" else "failed")
+                state.set_rank(r.rank, r.failure.kind if r.failure.kind in NBLAUNCH_ENDED else "failed")
                 self._on_failure(r.failure)
             elif isinstance(event, Started):
                 r.started = True
@@ -400,8 +400,8 @@ class Supervisor:
         if r.failure is None and r.result is _NO_RESULT:
             r.failure = self._death(r, code)
         if r.failure is not None:
-            self._display.state.set_rank(r.rank, "stopped" if r.failure.kind == "stopped" else "failed")
-            if r.failure.kind != "stopped":
+            self._display.state.set_rank(r.rank, r.failure.kind if r.failure.kind in NBLAUNCH_ENDED else "failed")
+            if r.failure.kind not in NBLAUNCH_ENDED:
                 self._on_failure(r.failure)
 
     def _death(self, r: _Rank, code: int) -> RankFailure:

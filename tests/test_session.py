@@ -1,8 +1,11 @@
 """Live ranks across cells (nblaunch.start / Ranks / %nblaunch), in real kernels."""
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -101,7 +104,7 @@ def test_a_failure_on_one_rank_keeps_the_others_state(kernel):
     shown = "\n".join(r.error["traceback"])
     assert shown.startswith("WorkerError: rank 1 raised ValueError: rank one is unhappy")
     assert "raise ValueError('rank one is unhappy')" in shown
-    assert "rank 0 was interrupted by nblaunch after the failure above" in shown
+    assert "rank 0: its call was interrupted by nblaunch after the failure above (the rank is kept)" in shown
     assert "still up and keep their state" in shown
     assert _value(kernel.execute("ranks.run(bump)")) == f"[(2, 4.0, {pids[0]}), (2, 4.0, {pids[1]})]"
     kernel.execute("ranks.close()")
@@ -202,12 +205,28 @@ def test_timeout_interrupts_the_call_and_keeps_the_ranks(kernel):
     kernel.execute("ranks.close()")
 
 
-def test_kernel_death_leaves_no_rank(kernel):
+@pytest.mark.parametrize("end", ["killed", "restarted"])
+def test_the_kernel_ending_leaves_no_rank(kernel, end):
     assert kernel.execute(SETUP.format(method="fork")).error is None
     pids = _pids(kernel)
-    import os
-    os.kill(kernel.pid, signal.SIGKILL)  # the kernel alone, as the OOM killer does
+    if end == "killed":
+        os.kill(kernel.pid, signal.SIGKILL)  # the kernel alone, as the OOM killer does
+    else:
+        kernel.km.restart_kernel(now=True)
     assert wait_gone(pids, timeout=10) == []
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_interpreter_exit_without_close_leaves_no_rank(tmp_path, method):
+    script = tmp_path / "script.py"
+    script.write_text("import nblaunch\n"
+                      "if __name__ == '__main__':\n"
+                      f"    ranks = nblaunch.start(2, start_method={method!r}, display='none')\n"
+                      "    print(' '.join(map(str, ranks.pids)), flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, timeout=10) == []
 
 
 def test_one_session_at_a_time_and_notebook_launcher_beside_it(kernel):
