@@ -165,3 +165,24 @@ def test_a_one_rank_nccl_launch_works(gpu_kernel):
     """))
     out, took = _json(reply)
     assert out == [1.0] and took < 30
+
+
+def test_live_ranks_keep_a_cuda_model_across_calls(gpu_kernel):
+    """Live ranks on the GPU: a model built on the device in one call is
+    trained in the next, and a CUDA tensor pulled arrives on its device."""
+    reply = gpu_kernel.execute(textwrap.dedent("""
+        import nblaunch
+        ranks = nblaunch.start(1, display="text")
+        def build():
+            global net
+            net = torch.nn.Linear(8, 1).cuda()
+        def step():
+            net.weight.data += 1
+            return net.weight.device.type, float(net.weight.sum())
+        ranks.run(build)
+        first, second = ranks.run(step)[0], ranks.run(step)[0]
+        pulled = ranks.pull("net", rank=0).weight
+        ranks.close()
+        print(json.dumps([first[0], second[1] - first[1], pulled.device.type]))
+    """))
+    assert _json(reply) == ["cuda", 8.0, "cuda"]
