@@ -229,7 +229,7 @@ def plan_ranks(num_processes: int, start_method: str, backend: str, init_process
     specs_base = dict(
         world_size=num_processes, local_world_size=num_processes, master_addr=addr,
         kernel_pid=os.getpid(), backend=resolved_backend, threads=threads,
-        pg_timeout_s=pg_timeout, env=_interface_env(addr), max_restarts=max_restarts,
+        pg_timeout_s=pg_timeout, env={**_interface_env(addr), **_accelerate_env()}, max_restarts=max_restarts,
         run_id=run_id, environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging(),
         live=live)
     return RankPlan(method, reason, resolved_backend, multiprocessing.get_context(method), pg_timeout, specs_base)
@@ -318,6 +318,19 @@ def _interface_env(addr: str) -> dict:
         return {}
     return {var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
             if var not in os.environ}
+
+
+def _accelerate_env() -> dict:
+    """On a machine without GPUs, tell accelerate its ranks are CPU ranks, as
+    its own launchers do (``accelerate launch --cpu``, its notebook_launcher).
+    Without it, ``Accelerator()`` in a CPU rank finds no accelerator backend
+    and sets itself up as one process (DistributedType.NO) in every rank,
+    each believing it is the main process."""
+    import torch
+
+    if "ACCELERATE_USE_CPU" in os.environ or torch.cuda.device_count() > 0:
+        return {}
+    return {"ACCELERATE_USE_CPU": "yes"}
 
 
 def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]]) -> str:

@@ -185,11 +185,17 @@ def rows_updates(outputs: list) -> list[RowsUpdate]:
 
 
 def widget_html(outputs: list) -> list[str]:
-    """Every HTML value the cell's widgets were given, in order."""
+    """Every HTML value the cell's widgets were given, and the view's static
+    HTML (the final view, or the whole view of a launch too short to build
+    widgets), in order."""
     values = []
     for msg in outputs:
         if msg["msg_type"] in ("comm_msg", "comm_open"):
             value = msg["content"]["data"].get("state", {}).get("value")
+            if isinstance(value, str):
+                values.append(value)
+        elif msg["msg_type"] in ("display_data", "update_display_data"):
+            value = msg["content"]["data"].get("text/html")
             if isinstance(value, str):
                 values.append(value)
     return values

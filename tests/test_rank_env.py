@@ -396,6 +396,10 @@ def _every_line(nb, tmp_path):
     shown = html.unescape(" ".join(widget_html(reply.outputs)))
     missing = [line for line in lines if line.strip() not in shown]
     assert missing == [], missing[:5]
+    # ... and it ran distributed, not as one process per rank each believing
+    # it is the main one (on CPU accelerate needs ACCELERATE_USE_CPU, as its
+    # own launchers set; without it this test passed by a race, 1 time in 3).
+    assert "Distributed environment: DistributedType.MULTI_CPU" in shown and "Num processes: 2" in shown
 
 
 def _final_values(outputs: list) -> dict:
@@ -411,7 +415,9 @@ def _final_values(outputs: list) -> dict:
 
 CHATTY = """
 def chatty(n):
+    import time
     import torch.distributed as dist
+    time.sleep(0.5)  # long enough for the live widgets (a shorter launch shows its final view only)
     for i in range(n):
         print(f"line {i} of rank {dist.get_rank()}")
     return n
@@ -425,10 +431,12 @@ def test_the_log_pane_keeps_thousands_of_lines_and_tells_ranks_apart(nb):
     text = html.unescape(re.sub(r"<[^>]+>", "", pane))
     for rank in (0, 1):
         assert all(f"[rank {rank}] line {i} of rank {rank}" in text for i in range(1500))
-    assert "<span style='color:#1565c0'>[rank 0]</span>" in pane  # each rank's tag in its chart colour
-    assert "<span style='color:#c62828'>[rank 1]</span>" in pane
+    assert "<span style='color:#1f77b4'>[rank 0]</span>" in pane  # each rank's tag in its chart colour
+    assert "<span style='color:#d62728'>[rank 1]</span>" in pane
     # The pane is paged: no single update re-sent more than one page of lines.
-    biggest = max(len(v) for v in widget_html(reply.outputs) if "class='nblaunch-log'" in v)
+    updates = [m["content"]["data"].get("state", {}).get("value") for m in reply.outputs
+               if m["msg_type"] in ("comm_msg", "comm_open")]
+    biggest = max(len(v) for v in updates if isinstance(v, str) and "class='nblaunch-log'" in v)
     assert biggest < 120 * 80, biggest  # ~65 bytes a line here
 
 
