@@ -101,8 +101,9 @@ class RankState:
     def desc(self) -> str:
         return self.current.desc if self.current else ""
 
-    def detail(self) -> str:
-        """Status, bars, rate, ETA (running rows only) and metrics: a row's text."""
+    def detail(self, sep: str = " ") -> str:
+        """Status, bars, rate, ETA (running rows only) and metrics: a row's
+        text, its parts joined by ``sep``."""
         parts = [self.status]
         bar = self.current
         if bar is not None and (bar.total or bar.n):
@@ -118,7 +119,7 @@ class RankState:
         parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
         if self.usage is not None and self.status == "running":
             parts.append(f"| {self.usage.text()}")
-        return " ".join(parts)
+        return sep.join(parts)
 
     def line(self, rank: int, now: float = 0.0) -> str:
         return f"rank {rank} {self.detail()}"
@@ -488,7 +489,7 @@ class WidgetDisplay(TextDisplay):
         if not st.changed:
             return
         st.changed = False
-        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail(),
+        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail(sep=_PART),
                          warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
                 for i, r in enumerate(st.ranks)]
         if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
@@ -588,8 +589,18 @@ def _bar_row(label: str, fraction: float, status: str, text: str, warn: bool = F
             f"<div style='flex:0 0 35%;height:12px;background:#8882;border-radius:3px'>"
             f"<div style='width:{100 * fraction:.1f}%;height:100%;background:{color};border-radius:3px'></div></div>"
             # The failed rank is the one to find: its line in the failure colour.
-            f"<span class='nblaunch-text' style='{_MONO};white-space:nowrap;"
-            f"color:{color if status == 'failed' else '#ef6c00' if warn else 'inherit'}'>{html.escape(text)}</span></div>")
+            f"<span class='nblaunch-text' style='{_MONO};flex:1 1 0;min-width:0;"
+            f"color:{color if status == 'failed' else '#ef6c00' if warn else 'inherit'}'>{_unbroken(text)}</span></div>")
+
+
+def _unbroken(text: str) -> str:
+    """A row's text, free to wrap between its parts (so a narrow cell shows
+    all of it) but never inside one: a number and its unit, ``loss=2.162e-05``
+    and ``train 16/60`` each stay whole (their spaces are no-break)."""
+    return " ".join(html.escape(part).replace(" ", "&#160;") for part in text.split(_PART))
+
+
+_PART = "\x1f"  # separates the parts of a row's text (RankState.detail(parts=True))
 
 
 # Mid-tone colours: each reads at WCAG contrast >= 3.4 on JupyterLab's light

@@ -201,6 +201,7 @@ class _LiveSupervisor(Supervisor):
                 continue
             self._interrupted.add(r.rank)
             try:
+                _write_atomically(r.spec.interrupt_file, str(self._call))  # which call: see worker._CallInterrupt
                 os.kill(r.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
             except (OSError, TypeError):
                 pass
@@ -258,6 +259,13 @@ class _LiveSupervisor(Supervisor):
             return [r.result for r in self._ranks]
         error = WorkerError(failures, log_dir=str(self._log_dir))
         raise error from error.root.exception
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:
@@ -398,7 +406,8 @@ class Ranks:
             s["threads_per_rank"], None, self._addr, live=True)
         log_dir, log_notice = new_launch_dir()
         specs = [worker.WorkerSpec(rank=local, local_rank=local, stack_file=str(log_dir / f"local{local}.stacks"),
-                                   **plan.specs_base) for local in range(self.num_processes)]
+                                   interrupt_file=str(log_dir / f"local{local}.interrupt"), **plan.specs_base)
+                 for local in range(self.num_processes)]
         view = TextDisplay(show_status=False)  # set-up prints (warnings) only
         view.begin(self.num_processes, plan.method, plan.backend or "", str(log_dir))
         for text in filter(None, [plan.notice, log_notice]):

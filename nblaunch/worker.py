@@ -64,6 +64,7 @@ class WorkerSpec:
     environ: Optional[dict] = None
     logging_setup: tuple = ()
     live: bool = False  # a live session's rank: serves calls until told to close
+    interrupt_file: str = ""  # a live rank: which call the kernel's SIGINT is for
 
 
 def current_spec() -> Optional[WorkerSpec]:
@@ -103,7 +104,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         if spec.live:
             phase = "ready"
             sender.send(Result(local, pickle.dumps(None), call=0, seq=_group_seq()))
-            _serve(sender, go, local)
+            _serve(sender, go, local, spec.interrupt_file)
             phase = "close"
             if made_group:
                 _destroy_group()
@@ -142,17 +143,20 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     _leave(0)
 
 
-def _serve(sender: EventSender, go: Connection, local: int) -> None:
+def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str) -> None:
     """A live rank: run each :class:`Call` from the kernel in this rank's
     namespace (:mod:`nblaunch.namespace`) until ``CLOSE``, reporting each
-    call's end. An exception ends the call, not the rank. SIGINT raises
-    ``KeyboardInterrupt`` only while a call's function runs (the kernel's
-    interrupt button); between calls it is ignored, so it never lands in the
-    middle of a report."""
+    call's end. An exception ends the call, not the rank. The kernel
+    interrupts a call (its interrupt button, or another rank's failure) by
+    writing the call's number to ``interrupt_file`` and sending SIGINT: a
+    ``KeyboardInterrupt`` in the call's function, raised as the function
+    starts if the call was still loading. A SIGINT for a call that has ended
+    is ignored, so it never lands in the next call or in a report."""
     from . import namespace
 
     ns = namespace.current()
-    signal.signal(signal.SIGINT, _ignore_signal)
+    interrupt = _CallInterrupt(interrupt_file)
+    signal.signal(signal.SIGINT, interrupt.handler)
     while True:
         try:
             msg = go.recv()
@@ -162,20 +166,24 @@ def _serve(sender: EventSender, go: Connection, local: int) -> None:
             continue
         if msg == CLOSE or not isinstance(msg, Call):
             return
+        interrupt.begin(msg.id)
         progress._new_call(msg.id)
         phase = "load"
         try:
             fn, args, kwargs = ns.load(msg.job)
             phase = "fn"
-            signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
+                interrupt.running = True
+                if interrupt.pending or interrupt.asked():  # it came while the call was loading
+                    raise KeyboardInterrupt
                 value = fn(*args, **kwargs)
             except SystemExit as exc:
                 if exc.code not in (None, 0):
                     raise
                 value = None
             finally:
-                signal.signal(signal.SIGINT, _ignore_signal)
+                interrupt.running = False
+            interrupt.end()
             ns.forget()
             phase = "result"
             payload, shared = _dump_result(_current.rank, value)
@@ -187,7 +195,7 @@ def _serve(sender: EventSender, go: Connection, local: int) -> None:
                 while go.recv() != RELEASE:
                     pass
         except BaseException as exc:  # noqa: BLE001 - the call failed, the rank lives on
-            signal.signal(signal.SIGINT, _ignore_signal)
+            interrupt.end()
             ns.forget()
             try:
                 progress._finish()
@@ -197,8 +205,37 @@ def _serve(sender: EventSender, go: Connection, local: int) -> None:
             del exc
 
 
-def _ignore_signal(signum, frame) -> None:
-    """SIGINT between a live rank's calls: nothing to interrupt."""
+class _CallInterrupt:
+    """A live rank's SIGINT handler. A signal carries no data, so which call
+    it is for is in a file the kernel writes first: only the call this rank
+    is on can be interrupted; a late signal for an ended call is ignored."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._call: Optional[int] = None
+        self.running = False  # the call's function is running: raise there
+        self.pending = False  # asked while the call was loading
+
+    def begin(self, call: int) -> None:
+        self._call, self.pending, self.running = call, False, False
+
+    def end(self) -> None:
+        self._call, self.pending, self.running = None, False, False
+
+    def asked(self) -> bool:
+        if self._call is None or not self._path:
+            return False
+        try:
+            with open(self._path) as f:
+                return f.read().strip() == str(self._call)
+        except (OSError, ValueError):
+            return False
+
+    def handler(self, signum, frame) -> None:
+        if self.asked():
+            if self.running:
+                raise KeyboardInterrupt
+            self.pending = True
 
 
 def _group_seq() -> int:

@@ -179,7 +179,8 @@ def rows_updates(outputs: list) -> list[RowsUpdate]:
             continue
         value = msg["content"]["data"].get("state", {}).get("value", "")
         if isinstance(value, str) and "class='nblaunch-ranks'" in value:
-            rows = [(status, float(frac), html.unescape(text)) for status, frac, text in _ROW.findall(value)]
+            rows = [(status, float(frac), html.unescape(text).replace("\xa0", " "))
+                    for status, frac, text in _ROW.findall(value)]
             updates.append(RowsUpdate(msg["header"]["date"].timestamp(), rows))
     return updates
 
