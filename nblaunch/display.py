@@ -118,7 +118,7 @@ class RankState:
                 parts.append(bar.postfix)
         parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
         if self.usage is not None and self.status == "running":
-            parts.append(f"| {self.usage.text()}")
+            parts.append(f"\u00b7 {self.usage.text()}")  # a middle dot: no line break after it, unlike "|"
         return sep.join(parts)
 
     def line(self, rank: int, now: float = 0.0) -> str:

@@ -186,7 +186,7 @@ def test_each_running_row_shows_its_cpu_and_memory(kernel_for_view):
         "    return x > 0\n"
         "notebook_launcher(busy, num_processes=2)\n")
     assert reply.error is None, reply.error
-    shown = [re.search(r"\| cpu (\d+)% mem (\d+) MiB", row[2]) for u in rows_updates(reply.outputs) for row in u.rows]
+    shown = [re.search(r"\u00b7 cpu (\d+)% mem (\d+) MiB", row[2]) for u in rows_updates(reply.outputs) for row in u.rows]
     readings = [(int(m.group(1)), int(m.group(2))) for m in shown if m]
     assert readings, "no row showed its resources"
     assert max(cpu for cpu, _ in readings) >= 40  # a busy rank, about one core (2 ranks on 2 CPUs)
