@@ -436,8 +436,8 @@ class WidgetDisplay(TextDisplay):
         final view, and a kernel running hundreds of launches keeps no
         widgets of finished ones."""
         self.state.end(state)
-        if self.box is None and self._show_at is not None:
-            self._build(_Static)  # ended before its widgets were due: the final view alone
+        if self.box is None and self._show_after > 0:
+            self._build(_Static)  # ended before its widgets were due (or before it began): the final view alone
         self.show()  # a launch that failed before its ranks started still gets its view
         self._live.clear()
         self._live_changed = True

@@ -40,15 +40,18 @@ def new_launch_dir() -> tuple[Path, Optional[str]]:
     temporary one and the notice says so; the launch goes on."""
     notice = None
     try:
-        path = _make_in(log_root())
-        _prune(log_root())
+        root = log_root()
+        path = _make_in(root)
     except OSError as exc:
-        fallback = Path(tempfile.gettempdir()) / "nblaunch-logs"
-        notice = f"cannot write logs under {log_root()} ({exc.strerror or exc}); using {fallback}"
-        path = _make_in(fallback)
-        _prune(fallback)
+        root = Path(tempfile.gettempdir()) / "nblaunch-logs"
+        notice = f"cannot write logs under {log_root()} ({exc.strerror or exc}); using {root}"
+        path = _make_in(root)
     with _lock:
-        _running.add(path.name)
+        _running.add(path.name)  # before pruning: the new folder is in use from its first instant
+    try:
+        _prune(root)
+    except OSError:
+        pass
     return path, notice
 
 
@@ -60,8 +63,11 @@ def release_launch_dir(path: Path) -> None:
 
 def _make_in(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = root / f"{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}"
+    # One clock reading for both parts: a second read for the nanoseconds
+    # could fall in the next second, and the name would sort among its elders.
+    now = time.time_ns()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now // 10**9))
+    path = root / f"{stamp}-{os.getpid()}-{now % 10**9:09d}"
     path.mkdir()
     return path
 

@@ -395,6 +395,34 @@ def test_old_launch_logs_are_pruned_but_not_another_live_kernels(tmp_path, monke
     assert other_live.exists()
 
 
+def test_a_new_launch_folder_is_never_pruned_by_its_own_launch(tmp_path, monkeypatch):
+    """Seen in CI, 1 time in a few hundred fast launches: the folder just made
+    sorted below KEEP others (its name took the second from one clock read and
+    the nanoseconds from the next), was not yet marked in use, and was pruned
+    before the ranks' log files were opened. Forced here with folders of this
+    process whose names sort after any made now."""
+    from nblaunch import logs
+
+    monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
+    for i in range(logs.KEEP + 5):
+        (tmp_path / f"29991231-235959-{os.getpid()}-{i:09d}").mkdir()
+    path, _ = logs.new_launch_dir()
+    try:
+        assert path.exists()
+    finally:
+        logs.release_launch_dir(path)
+
+
+def test_a_view_closed_before_it_was_shown_still_ends_as_its_final_view():
+    """A launch that fails before its ranks start closes a view never shown."""
+    from nblaunch.display import WidgetDisplay
+
+    view = WidgetDisplay(show=False, show_after=0.25)
+    view.begin(2, "fork", "gloo", "/tmp/logs")
+    view.close("failed")
+    assert "nblaunch: failed" in view.static_html() and "rank 1" in view.static_html()
+
+
 def test_root_cause_skips_a_peers_transport_error_even_if_it_came_first():
     # Pure logic over hand-made records: the race this guards against (a
     # peer's gloo error observed before the real failure) is rare to provoke.
