@@ -23,8 +23,6 @@ operation). Never a silently half-working session.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import signal
 import time
@@ -327,12 +325,10 @@ class Ranks:
         the rank bound that name itself (the rank's value wins). ``timeout``
         and ``display`` are this call's (see ``notebook_launcher``); to pass
         an argument of those names to ``fn``, use ``functools.partial``."""
-        _check_fn(fn)
-        if timeout is not None:
-            launcher._validate(fn, args, kwargs, self.num_processes, "auto", "auto", True, None, None,
-                               timeout, "auto", None)
-        if display is not None and display not in launcher.DISPLAYS:
-            raise ValueError(f"display must be one of {launcher.DISPLAYS}, got {display!r}")
+        # The launch's own checks of fn (callable, not async, not a
+        # generator), its arguments, timeout and display.
+        launcher._validate(fn, args, kwargs, self.num_processes, "auto", "auto", True, None, None,
+                           timeout, display or "auto", None)
         return self._call(_pack(fn, args, kwargs), timeout, display or self._settings["display"])
 
     def pull(self, name: str, rank: Optional[int] = None):
@@ -491,14 +487,6 @@ class _one_at_a_time:
 
     def __exit__(self, *exc):
         launcher._one_launch.release()
-
-
-def _check_fn(fn) -> None:
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r:.80}")
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    if inspect.iscoroutinefunction(target) or inspect.isgeneratorfunction(target):
-        raise TypeError("fn must be a plain function (not async, not a generator)")
 
 
 def _pack(fn, args: tuple, kwargs: dict) -> bytes:
