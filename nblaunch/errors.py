@@ -11,6 +11,8 @@ import signal as _signal
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .frames import is_machinery, parse_frame
+
 __all__ = ["LaunchError", "WorkerError", "RankFailure"]
 
 
@@ -120,10 +122,6 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-# Frames of the machinery around fn, left out of a crash's stack.
-_MACHINERY = re.compile(r"/nblaunch/|/multiprocessing/|/threading\.py|/runpy\.py")
-
-
 def _split_fatal(lines: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """A rank's last lines, split into what it printed and, when it died in
     C (faulthandler's "Fatal Python error" report), where: the error and the
@@ -141,7 +139,8 @@ def _split_fatal(lines: tuple[str, ...]) -> tuple[list[str], list[str]]:
         for line in rest[head + 1:]:
             if not line.strip():
                 break
-            if not _MACHINERY.search(line):
+            frame = parse_frame(line)
+            if frame is None or not is_machinery(frame[0]):
                 crash.append(line)
     return printed, crash
 

@@ -58,6 +58,7 @@ class _Reporter:
 
     def _loop(self) -> None:
         next_gpu = time.monotonic() + GPU_EVERY_S
+        complained = False
         while True:
             self._wake.wait(1.0 / SEND_HZ)
             self._wake.clear()
@@ -66,8 +67,15 @@ class _Reporter:
                 if time.monotonic() >= next_gpu:
                     next_gpu = time.monotonic() + GPU_EVERY_S
                     self.send_gpu_memory()
-            except Exception:  # the kernel went away: the rank is about to die anyway
+            except (OSError, EOFError):  # the kernel went away: the rank is about to die anyway
                 return
+            except Exception as exc:
+                # Anything else is passing (a bar read mid-update, a module
+                # half imported by the main thread): the rows must keep
+                # moving, so the thread lives on and says so once.
+                if not complained:
+                    complained = True
+                    print(f"[nblaunch] progress report failed once, going on: {exc!r}", file=sys.stderr)
 
     def send_gpu_memory(self) -> None:
         """Where NVML is missing, the kernel cannot see GPU memory without
@@ -100,14 +108,20 @@ class _Reporter:
 
 _reporter: Optional[_Reporter] = None
 _nvml_present: Optional[bool] = None
+# Set by the worker once the main thread has imported torch: before that,
+# sys.modules may hold a half-initialised torch (a spawned rank imports it
+# while this thread runs), whose attributes do not exist yet.
+_torch_ready = False
 
 
 def _torch_gpu_memory() -> Optional[tuple[int, int, int]]:
     """``(device, bytes reserved by torch, device total)`` when this rank has
     initialised CUDA and NVML is not installed; else None. Never initialises CUDA."""
     global _nvml_present
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if not _torch_ready:
+        return None
+    torch = sys.modules["torch"]
+    if not torch.cuda.is_initialized():
         return None
     if _nvml_present is None:
         try:
@@ -126,6 +140,12 @@ def _start(sender, rank: int) -> None:
     """Called by the worker once the event channel is up."""
     global _reporter
     _reporter = _Reporter(sender, rank)
+
+
+def _torch_imported() -> None:
+    """Called by the worker once torch is imported in the main thread."""
+    global _torch_ready
+    _torch_ready = True
 
 
 def _new_call(call: int) -> None:

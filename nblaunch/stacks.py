@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .frames import is_machinery
+
 __all__ = ["register", "collect", "format_stacks"]
 
 SIGNAL = signal.SIGUSR1
@@ -107,15 +109,14 @@ def _main_ident(path: str) -> Optional[str]:
     return head[1] if len(head) == 2 and head[0] == "main" else None
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_STDLIB = os.path.dirname(os.__file__)
+_STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def _plumbing(file: str, func: str) -> bool:
     """Frames every rank has that say nothing about where it is."""
-    return (file.startswith(_HERE) or file.startswith(os.path.join(_STDLIB, "multiprocessing"))
-            or file.endswith("c10d_logger.py") or (file == "<string>" and func == "<module>")
-            or (file == os.path.join(_STDLIB, "threading.py") and func in ("run", "_bootstrap_inner", "_bootstrap")))
+    if is_machinery(file):  # threading's frames only where a thread starts: a wait() says where it waits
+        return not file.endswith("threading.py") or func in ("run", "_bootstrap_inner", "_bootstrap")
+    return file.endswith("c10d_logger.py") or (file == "<string>" and func == "<module>")
 
 
 def _library(file: str) -> bool:

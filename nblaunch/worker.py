@@ -416,6 +416,7 @@ def _setup_torch(spec: WorkerSpec) -> bool:
     """Threads, device and process group. Returns True if a group was made."""
     import torch
 
+    progress._torch_imported()
     torch.set_num_threads(spec.threads)
     if torch.cuda.is_available() and spec.local_rank < torch.cuda.device_count():
         torch.cuda.set_device(spec.local_rank)

@@ -1,0 +1,85 @@
+"""The rank-side progress reporter, without a process (a thread and a fake
+sender stand in for the rank and its pipe to the kernel)."""
+from __future__ import annotations
+
+import importlib
+import queue
+import sys
+import types
+
+import pytest
+
+from nblaunch.channel import Progress
+
+progress = importlib.import_module("nblaunch.progress")  # the module; nblaunch.progress is also the bar class
+
+
+class FakeSender:
+    """Collects what the reporter sends; once closed it fails as a broken
+    pipe does, which ends the reporter's thread."""
+
+    def __init__(self):
+        self.events: queue.Queue = queue.Queue()
+        self.closed = False
+
+    def send(self, event) -> None:
+        if self.closed:
+            raise BrokenPipeError
+        self.events.put(event)
+
+
+class Bar:
+    def __init__(self):
+        self.n = 0
+
+    def _state(self):
+        return "batch", self.n, 10, False, "", None
+
+
+def _progress_with(sender: FakeSender, n: int, timeout: float = 30.0) -> Progress:
+    while True:
+        event = sender.events.get(timeout=timeout)
+        if isinstance(event, Progress) and event.n == n:
+            return event
+
+
+@pytest.fixture
+def sender():
+    s = FakeSender()
+    yield s
+    s.closed = True
+
+
+def test_rows_keep_moving_while_torch_is_half_imported(sender, monkeypatch):
+    """A spawned rank imports torch in its main thread while the reporter's
+    first GPU reading comes due: the half-initialised module has no ``cuda``
+    yet. The reporter used to die on that, silently, and the rank's row
+    never moved again (issue 23)."""
+    monkeypatch.setattr(progress, "GPU_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "_torch_ready", False, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # as sys.modules holds it mid-import
+    reporter = progress._Reporter(sender, rank=0)
+    bar = Bar()
+    reporter.add(bar)
+    _progress_with(sender, 0)
+    for n in (3, 7):  # several GPU readings came due in between
+        bar.n = n
+        _progress_with(sender, n)
+
+
+def test_a_failing_read_does_not_stop_the_rows(sender, capfd):
+    class Flaky(Bar):
+        calls = 0
+
+        def _state(self):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("read while the bar was being rebuilt")
+            return super()._state()
+
+    reporter = progress._Reporter(sender, rank=0)
+    bar = Flaky()
+    reporter.add(bar)
+    bar.n = 4
+    _progress_with(sender, 4)
+    assert "progress report failed once" in capfd.readouterr().err
