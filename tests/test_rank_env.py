@@ -130,7 +130,7 @@ def tqdm_loops(kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "auto"])
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", START_METHODS)
 def test_tqdm_bars_move_the_rows_and_leave_no_message_dumps(tmp_path, kind, method):
     console = tmp_path / "kernel-console.log"
     k = Kernel(console=str(console))
