@@ -41,6 +41,8 @@ class Result:
     shared: int = 0
     call: int = 0  # which call of a live session this ends (0: a launch, or a session's start)
     seq: int = -1  # collectives this rank has issued on the default group (-1: unknown)
+    time: float = 0.0  # when fn ended, on the rank's clock
+    exited: bool = False  # fn ended with sys.exit(0) rather than a return
 
 
 RELEASE = "release"  # kernel -> rank, on the go pipe: the result was taken

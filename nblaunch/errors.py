@@ -11,9 +11,9 @@ import signal as _signal
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .frames import is_machinery, parse_frame
+from .frames import in_notebook_terms, is_machinery, parse_frame
 
-__all__ = ["LaunchError", "WorkerError", "RankFailure"]
+__all__ = ["LaunchError", "WorkerError", "RankFailure", "Departure"]
 
 
 class LaunchError(RuntimeError):
@@ -43,7 +43,9 @@ class RankFailure:
     code and no report), ``"interrupted"`` (on live ranks: nblaunch
     interrupted its call after another rank failed; the rank lives on),
     ``"stopped"`` (nblaunch stopped it after another
-    rank failed) or ``"node"`` (another node's launcher was interrupted or
+    rank failed), ``"left"`` (it returned or exited with code 0 while its
+    peers still waited for it in a collective; ``message`` says how and
+    where they waited) or ``"node"`` (another node's launcher was interrupted or
     timed out; ``rank`` is that node's first rank). ``time`` is the wall-clock time the failure was observed:
     inside the rank for exceptions, in the kernel for deaths.
     """
@@ -99,6 +101,8 @@ class RankFailure:
             return f"node {self.node} {self.message}; its ranks were stopped"
         if self.kind == "stopped":
             return f"{self.label} was stopped by nblaunch after the failure above"
+        if self.kind == "left":
+            return f"{self.label} {self.message}"
         if self.kind == "interrupted":
             return f"{self.label}: its call was interrupted by nblaunch after the failure above (the rank is kept)"
         return f"{self.label} exited with code {self.exitcode} without returning a result"
@@ -145,6 +149,62 @@ def _split_fatal(lines: tuple[str, ...]) -> tuple[list[str], list[str]]:
     return printed, crash
 
 
+@dataclass(frozen=True)
+class Departure:
+    """A rank that ended its part of a call without an error: ``how`` is
+    ``"returned"``, ``"exited (code 0)"`` (``sys.exit(0)``, ``os._exit(0)``)."""
+
+    rank: int
+    time: float
+    how: str
+    node: Optional[int] = None
+    exitcode: Optional[int] = None  # 0 when it exited, None when it returned
+
+
+# The innermost frame of torch.distributed's collectives in a traceback.
+_COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+,? in (\w+)')
+
+
+def collective_in(traceback: str) -> Optional[str]:
+    """The torch.distributed call a (most recent call last) traceback was in."""
+    names = _COLLECTIVE_FRAME.findall(traceback or "")
+    return names[-1] if names else None
+
+
+def left_early(departure: Departure, waiting: dict[str, Optional[str]]) -> RankFailure:
+    """The failure of a rank that left while others (``label -> the
+    collective each was in``) still waited for it."""
+    names = sorted({name for name in waiting.values() if name})
+    where = " or ".join(names) if names else "a collective"
+    labels = list(waiting)
+    if len(labels) == 1:
+        who = f"{labels[0]} was"
+    else:  # "ranks 0 and 2", "ranks 0 (node 0), 3 (node 1) and 5 (node 1)"
+        numbers = [label.removeprefix("rank ") for label in labels]
+        who = f"ranks {', '.join(numbers[:-1])} and {numbers[-1]} were"
+    return RankFailure(departure.rank, "left", departure.time, node=departure.node, exitcode=departure.exitcode,
+                       message=f"{departure.how} while {who} in {where}")
+
+
+def blame_departures(failures: list[RankFailure], departures: list[Departure]) -> list[RankFailure]:
+    """A rank that leaves a collective early (an early-stopping path, a
+    ``main()`` that exits) gives its peers a transport error ("Connection
+    closed by peer") and no error of its own. When those errors are all the
+    failures there are, the first rank that left is the cause: its failure
+    is added (and an ``os._exit(0)``'s bare exit is replaced by it)."""
+    exits = [f for f in failures if f.kind == "exit" and f.exitcode == 0]
+    others = [f for f in failures if f not in exits]
+    peer_lost = [f for f in others if f.kind == "exception" and f.is_consequence]
+    if not peer_lost or any(not f.is_consequence for f in others):
+        return failures
+    gone = departures + [Departure(f.rank, f.time, "exited (code 0)", f.node, exitcode=0) for f in exits]
+    if not gone:
+        return failures
+    first = min(gone, key=lambda d: d.time)
+    waiting = {f.label: collective_in(f.remote_traceback) for f in sorted(peer_lost, key=lambda f: f.rank)}
+    return others + [left_early(first, waiting)]
+
+
 def root_cause(failures: list[RankFailure]) -> RankFailure:
     """The failure to blame: the earliest that is not a consequence of another;
     failing that, the earliest that a rank reported (not one nblaunch caused)."""
@@ -184,7 +244,7 @@ class WorkerError(LaunchError):
         cause = self.root
         lines = [cause.summary()]
         if cause.remote_traceback:
-            lines += ["", f"Traceback from {cause.label}:", cause.remote_traceback.rstrip()]
+            lines += ["", f"Traceback from {cause.label}:", in_notebook_terms(cause.remote_traceback.rstrip())]
         if cause.kind != "exception" and cause.last_lines:
             printed, crash = _split_fatal(cause.last_lines)
             if printed:
@@ -192,7 +252,7 @@ class WorkerError(LaunchError):
                 lines += [f"  {line}" for line in printed]
             if crash:
                 lines += ["", f"Where {cause.label} crashed ({crash[0]}; most recent call first):"]
-                lines += [f"  {line.strip()}" for line in crash[1:]]
+                lines += [f"  {in_notebook_terms(line.strip())}" for line in crash[1:]]
         others = self.failures[1:]
         if others:
             lines += ["", "Other ranks:"] + [f"  {f.summary()}" for f in others]

@@ -13,10 +13,11 @@ import multiprocessing
 import os
 import re
 import runpy
+import sys
 import threading
 from typing import Optional
 
-__all__ = ["is_machinery", "parse_frame"]
+__all__ = ["is_machinery", "parse_frame", "cell_of", "in_notebook_terms", "register_cell"]
 
 
 def _forms(path: str) -> set[str]:
@@ -48,3 +49,49 @@ def parse_frame(line: str) -> Optional[tuple[str, int, str]]:
     """``(file, line, function)`` of one faulthandler frame line, else None."""
     m = _FAULTHANDLER_FRAME.match(line)
     return (m.group("file"), int(m.group("line")), m.group("func")) if m else None
+
+
+# Cell bodies the %%nblaunch magic runs under a name of its own:
+# filename -> (the cell's label, lines before the body).
+_MAGIC_CELLS: dict[str, tuple[str, int]] = {}
+
+
+def register_cell(filename: str, label: str, offset: int) -> None:
+    """A ``%%nblaunch`` body runs as ``filename``; in tracebacks it is the
+    cell ``label`` (``Cell In[8]``), its lines ``offset`` further down."""
+    _MAGIC_CELLS[filename] = (label, offset)
+
+
+def cell_of(file: str) -> Optional[tuple[str, int]]:
+    """``("Cell In[8]", line offset)`` for a file that is a notebook cell of
+    this kernel, as IPython names it in its own tracebacks; else None."""
+    if file in _MAGIC_CELLS:
+        return _MAGIC_CELLS[file]
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    try:
+        parts = name(file) if name is not None else None
+    except Exception:
+        return None
+    return (f"{parts[0]} {parts[1]}", 0) if parts else None
+
+
+# `File "/tmp/ipykernel_7/123.py", line 3` in a traceback or faulthandler dump.
+_FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def in_notebook_terms(text: str) -> str:
+    """``text`` with every frame in a notebook cell named as IPython names
+    it (``Cell In[8], line 3``), not by the kernel's hidden cell file."""
+    if not text or 'File "' not in text:
+        return text
+
+    def name(m: re.Match) -> str:
+        cell = cell_of(m.group("file"))
+        if cell is None:
+            return m.group(0)
+        label, offset = cell
+        return f"{label}, line {int(m.group('line')) + offset}"
+
+    return _FILE_LINE.sub(name, text)

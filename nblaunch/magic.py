@@ -29,6 +29,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import namespace, session
 from .errors import LaunchError
+from .frames import register_cell
 from .launcher import choose_start_method, notebook_launcher
 
 __all__ = ["NBLaunchMagics", "load_ipython_extension"]
@@ -91,6 +92,11 @@ class NBLaunchMagics(Magics):
                               "use the line magic %nblaunch start|stop|status")
         user_ns = self.shell.user_ns
         filename = f"<nblaunch-cell-{next(_counter)}>"
+        # Tracebacks and stacks from the ranks name the body's lines as the
+        # cell's own (`Cell In[8], line 3`; the body starts below `%%nblaunch`),
+        # and the kernel can show their source.
+        register_cell(filename, f"Cell In[{self._cell_number()}]", 1)
+        linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
         live = session.active()
         if live is not None and opts.num_processes in (None, live.num_processes):
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
@@ -105,6 +111,12 @@ class NBLaunchMagics(Magics):
             run_cell_body, args=(cell, filename, names), num_processes=opts.num_processes or 2,
             start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
             display=opts.display)
+
+    def _cell_number(self) -> int:
+        """This cell's ``In[N]``: the number IPython gave the code it ran last
+        (``execution_count`` is already the next one while a cell runs)."""
+        numbers = getattr(self.shell.compile, "_filename_map", {}).values()
+        return max(numbers, default=self.shell.execution_count - 1)
 
     def _line(self, opts):
         if opts.action == "start":

@@ -23,7 +23,9 @@ The contract, for every start method:
 * ``multiprocessing``'s default start method is the platform's own (fork on
   Linux before Python 3.14), so DataLoader workers behave as under torchrun;
 * libraries that decided "interactive" or "notebook" at import time in the
-  kernel get the rank's answer (the shims below, each named and tested).
+  kernel get the rank's answer (the shims below, each named and tested);
+* thread pools the kernel made (``torch.compile``'s compile pool) work in a
+  forked rank, which inherits them without their threads.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 from typing import Callable, Optional
 
 __all__ = ["become_rank", "kernel_logging", "rank_environ"]
@@ -98,6 +101,8 @@ def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked:
     # The platform's default, as a torchrun rank gets: a spawned rank had
     # "spawn" fixed for it by multiprocessing's own start-up.
     multiprocessing.set_start_method(None, force=True)
+    if forked:
+        _revive_inherited_thread_pools()
     _fix_import_time_answers()
     _AfterImport.install(_AFTER_IMPORT)
 
@@ -125,6 +130,40 @@ def _leave_ipython() -> None:
     for singleton in (shell, app, kernel):
         if singleton is not None and hasattr(type(singleton), "clear_instance"):
             type(singleton).clear_instance()
+
+
+# -- thread pools --------------------------------------------------------------------
+
+
+def _revive_inherited_thread_pools() -> None:
+    """A forked rank inherits every ``ThreadPoolExecutor`` of the kernel but
+    none of their threads. Such an executor still counts its workers (and an
+    idle one) and so starts none: every task waits for a thread that does
+    not exist. ``torch.compile`` in the kernel leaves one (inductor's compile
+    pool, ``AsyncCompile.pool()``, cached for the process; torch's own
+    at-fork hook resets only its process pool), and a rank's first compile
+    then waits forever in ``async_compile.wait``; torch's prefetch executor
+    and a notebook's own executors are the same. Python has no at-fork reset
+    for executors, so an executor whose workers are all gone gets new ones
+    the first time the rank gives it work (checked per submit: a set of
+    dead threads to look at, at most the pool's size)."""
+    from concurrent.futures import thread as cf_thread
+
+    cls = cf_thread.ThreadPoolExecutor
+    adjust = getattr(cls, "_adjust_thread_count", None)
+    if adjust is None or getattr(adjust, "_nblaunch", False):
+        return
+
+    def _adjust_thread_count(self):
+        workers = getattr(self, "_threads", None)
+        if workers and not any(t.is_alive() for t in workers):  # all the kernel's: not in this process
+            workers.clear()
+            if hasattr(self, "_idle_semaphore"):
+                self._idle_semaphore = threading.Semaphore(0)
+        return adjust(self)
+
+    _adjust_thread_count._nblaunch = True
+    cls._adjust_thread_count = _adjust_thread_count
 
 
 # -- logging -----------------------------------------------------------------------

@@ -136,12 +136,12 @@ class _LiveSupervisor(Supervisor):
         self._display = display
         self._timeout = timeout
         self._stall_warning, self._stalled = stall_warning, set()
-        self._stop_at = self._stop_deadline = self._answer_by = None
+        self._stop_at = self._stop_deadline = self._answer_by = self._left_check = None
         self._result_bytes = 0
         self._interrupted = set()
         self._sampler = Sampler(gpu_devices([r.spec.local_rank for r in self._ranks]))
         for r in self._ranks:
-            r.result, r.failure, r.stopped, r.signals_sent = _NO_RESULT, None, False, set()
+            r.result, r.failure, r.stopped, r.signals_sent, r.departure = _NO_RESULT, None, False, set(), None
             display.state.set_rank(r.rank, "running")
             try:
                 r.go.send(Call(number, job))
@@ -163,7 +163,7 @@ class _LiveSupervisor(Supervisor):
                         log_dir=str(self._log_dir))
         except KeyboardInterrupt as exc:
             where = self._where()
-            self._display.notice("interrupted; where each rank was:\n" + where)
+            self._display.notice("interrupted (where each rank was: in the error below)")
             kept = self._interrupt_all()
             render_interrupt(exc, [f"KeyboardInterrupt: call {number} was interrupted on every rank. "
                                    f"{self._fate(kept)} Where each rank was (innermost frame first):",
@@ -231,6 +231,12 @@ class _LiveSupervisor(Supervisor):
         else:
             super()._begin_stop()
 
+    def _on_failure(self, failure: RankFailure) -> None:
+        if failure.kind == "left" and self._in_call:
+            # The ranks that wait for it are in a collective: no interrupt reaches them.
+            self._break(failure.summary())
+        super()._on_failure(failure)
+
     def _failure_of(self, r: _Rank, event: Failure) -> RankFailure:
         r.seq = event.seq
         if r.rank in self._interrupted and event.exc_type == "KeyboardInterrupt":
@@ -248,7 +254,7 @@ class _LiveSupervisor(Supervisor):
             self._break(r.failure.summary() if r.failure is not None else f"rank {r.global_rank} exited")
 
     def _outcome(self) -> list:
-        failures = [r.failure for r in self._ranks if r.failure is not None]
+        failures = self._blamed()
         seqs = {r.global_rank: r.seq for r in self._ranks if not r.exited and r.seq >= 0}
         if not self.broken and len(set(seqs.values())) > 1:
             counts = ", ".join(f"rank {rank}: {n}" for rank, n in sorted(seqs.items()))

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .frames import is_machinery
+from .frames import cell_of, is_machinery
 
-__all__ = ["register", "collect", "format_stacks"]
+__all__ = ["register", "collect", "collectives", "format_stacks"]
 
 SIGNAL = signal.SIGUSR1
 ANSWER_S = 1.0
@@ -80,11 +80,23 @@ def format_stacks(dumps: dict[int, Optional[str]], ranks: dict[int, tuple[int, s
         if not frames:
             lines.append(f"  rank {rank}: no Python frames")
             continue
-        shown = [f"{func} at {_short(file)}:{line}" for file, line, func in frames[:depth]]
+        shown = [f"{func} at {_place(file, line)}" for file, line, func in frames[:depth]]
         user = next((f for f in frames if not _library(f[0])), frames[0])
         source = linecache.getline(user[0], user[1]).strip()
         lines.append(f"  rank {rank}: in " + " <- ".join(shown) + (f"   | {source}" if source else ""))
     return "\n".join(lines)
+
+
+def collectives(dumps: dict[int, Optional[str]], ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
+    """For each rank of :func:`collect`'s ``dumps``: the torch.distributed
+    collective its main thread is blocked in (its innermost Python frame is
+    one, e.g. ``all_reduce``), else None."""
+    found: dict[int, Optional[str]] = {}
+    for rank, dump in dumps.items():
+        frames = _main_thread_frames(dump, _main_ident(ranks[rank][1])) if dump else []
+        inner = frames[0] if frames else None
+        found[rank] = inner[2] if inner and inner[0].endswith("distributed_c10d.py") else None
+    return found
 
 
 def _main_thread_frames(dump: str, main_ident: Optional[str]) -> list[tuple[str, int, str]]:
@@ -121,6 +133,14 @@ def _plumbing(file: str, func: str) -> bool:
 
 def _library(file: str) -> bool:
     return "site-packages" in file or file.startswith(_STDLIB)
+
+
+def _place(file: str, line: int) -> str:
+    """``Cell In[8], line 3`` for notebook code, ``distributed_c10d.py:2950`` otherwise."""
+    cell = cell_of(file)
+    if cell is not None:
+        return f"{cell[0]}, line {line + cell[1]}"
+    return f"{_short(file)}:{line}"
 
 
 def _short(file: str) -> str:

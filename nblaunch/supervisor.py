@@ -28,9 +28,10 @@ from typing import Any, BinaryIO, Callable, Optional
 import psutil
 
 from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, decode
-from .errors import NBLAUNCH_ENDED, LaunchError, RankFailure, WorkerError, render_interrupt, root_cause
+from .errors import (NBLAUNCH_ENDED, Departure, LaunchError, RankFailure, WorkerError, blame_departures, left_early,
+                     render_interrupt, root_cause)
 from .resources import Sampler, gpu_devices
-from .stacks import collect, format_stacks
+from .stacks import collect, collectives, format_stacks
 from .worker import WorkerSpec, max_result_bytes, run_worker
 
 __all__ = ["Supervisor", "LaunchTimeout"]
@@ -44,6 +45,11 @@ STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only d
 # like one of the stopped; the verdict waits this long for it.
 CONSEQUENCE_HOLD_S = 0.2
 REMOTE_GRACE_S = 2.0  # how long a node that only saw a peer vanish waits for the cause
+# Some ranks returned while others run on: after this long (then at growing
+# intervals) the others' stacks are read, and if every one of them waits in
+# a collective, the first rank that left is the failure (it never joins).
+LEFT_GRACE_S = 3.0
+LEFT_RECHECK_MAX_S = 30.0
 TAIL_LINES = 40
 READS_PER_PASS = 8  # 64 KiB chunks of one rank's output per pass of the watch loop
 MAX_PARTIAL_BYTES = 1 << 20  # a "line" this long without a newline is shown as it is
@@ -88,6 +94,7 @@ class _Rank:
     events_open: bool = True
     output_open: bool = True
     seq: int = -1  # collectives issued on the default group, as of its last report (live ranks)
+    departure: Optional[Departure] = None  # how and when fn ended, once it returned
 
     @property
     def rank(self) -> int:
@@ -121,6 +128,7 @@ class Supervisor:
         self._result_bytes = 0  # results received so far, all ranks
         self._sampler = Sampler(gpu_devices([spec.local_rank for spec in specs]))
         self._stop_at: Optional[float] = None  # a consequence was seen: stop then unless its cause shows first
+        self._left_check: Optional[tuple[float, float]] = None  # (next stack read, interval) while ranks wait on leavers
         self._call = 0  # events of other calls (a live session's) are not this watch's
         self._release = threading.Event()  # set: start no more ranks
         self._started = threading.Event()  # set: the starter has started every rank
@@ -147,7 +155,7 @@ class Supervisor:
         except KeyboardInterrupt as exc:
             # The user pressed stop, most likely because it looks stuck.
             where = self._where()
-            self._display.notice("interrupted; where each rank was:\n" + where)
+            self._display.notice("interrupted; every rank was stopped (where each rank was: in the error below)")
             self._stop(grace=STOP_GRACE_S)
             self._tell_other_nodes("was interrupted")
             render_interrupt(exc, ["KeyboardInterrupt: the launch was interrupted and every rank was "
@@ -282,6 +290,7 @@ class Supervisor:
             self._kill_orphans()
             self._stop_deadline = float("inf")
         self._check_stalls(now)
+        self._check_departures(now)
         self._check_other_nodes()
         usage = self._sampler.sample({r.rank: r.proc.pid for r in self._ranks
                                       if r.started and not r.exited and r.proc.pid is not None})
@@ -380,6 +389,9 @@ class Supervisor:
             self._display.state.set_rank(r.rank, "failed")
             self._on_failure(r.failure)
         else:
+            r.departure = Departure(r.global_rank, event.time or time.time(),
+                                    "exited (code 0)" if event.exited else "returned", r.node,
+                                    exitcode=0 if event.exited else None)
             self._display.state.set_rank(r.rank, "finished")
         finally:
             try:
@@ -434,6 +446,34 @@ class Supervisor:
             else:
                 self._stalled.discard(i)
 
+    def _check_departures(self, now: float) -> None:
+        """Ranks that returned while their peers still wait for them in a
+        collective: with gloo a peer's exit ends the wait in an error (see
+        ``errors.blame_departures``), but a rank that stays up (a live rank
+        between calls, one waiting for its result to be fetched) or NCCL
+        leaves them waiting until the timeout. Their stacks tell."""
+        if self._stop_deadline is not None or self._stop_at is not None:
+            return
+        gone = [r for r in self._ranks if r.departure is not None and r.failure is None]
+        waiting = [r for r in self._ranks if r.result is _NO_RESULT and r.failure is None and not r.exited]
+        if not gone or not waiting:
+            self._left_check = None
+            return
+        if self._left_check is None:
+            self._left_check = (now + LEFT_GRACE_S, LEFT_GRACE_S)
+        due, interval = self._left_check
+        if now < due or not all(r.started and r.spec.stack_file for r in waiting):
+            return
+        live = {r.global_rank: (r.proc.pid, r.spec.stack_file) for r in waiting}
+        where = collectives(collect(live), live)
+        self._left_check = (time.monotonic() + interval, min(2 * interval, LEFT_RECHECK_MAX_S))
+        if all(where.get(r.global_rank) for r in waiting):
+            first = min(gone, key=lambda r: r.departure.time)
+            first.failure = left_early(first.departure, {f"rank {r.global_rank}": where[r.global_rank]
+                                                         for r in waiting})
+            self._display.state.set_rank(first.rank, "failed")
+            self._on_failure(first.failure)
+
     def _where(self) -> str:
         """Each live rank's main-thread stack, innermost frames first. Only
         ranks that reported ``Started`` are asked (their handler is armed):
@@ -454,7 +494,10 @@ class Supervisor:
     # -- other nodes -------------------------------------------------------------
 
     def _on_failure(self, failure: RankFailure) -> None:
-        if failure.is_consequence:
+        # An exit with code 0 is held too: peers it left in a collective
+        # report the lost connection within the hold, and the verdict then
+        # says where they waited (errors.blame_departures).
+        if failure.is_consequence or (failure.kind == "exit" and failure.exitcode == 0):
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + CONSEQUENCE_HOLD_S
             return
@@ -563,8 +606,21 @@ class Supervisor:
 
     # -- outcome -----------------------------------------------------------------
 
-    def _outcome(self) -> list:
+    def _blamed(self) -> list[RankFailure]:
+        """This node's failures, a rank that left its peers waiting among them
+        (shown as failed in the view too)."""
         failures = [r.failure for r in self._ranks if r.failure is not None]
+        departures = [r.departure for r in self._ranks if r.departure is not None and r.failure is None]
+        blamed = blame_departures(failures, departures)
+        for failure in blamed:
+            if failure.kind == "left":
+                for r in self._ranks:
+                    if r.global_rank == failure.rank:
+                        self._display.state.set_rank(r.rank, "failed")
+        return blamed
+
+    def _outcome(self) -> list:
+        failures = self._blamed()
         results = [] if failures else [r.result for r in self._ranks]
         remote = self._settle_with_other_nodes(failures)
         if remote is not None:

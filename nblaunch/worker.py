@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from . import progress, rank_env, stacks
 from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Result, Started
+from .frames import is_machinery
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
 
@@ -112,17 +113,19 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         phase = "load"
         fn, args, kwargs = _load(job)
         phase = "fn"
+        exited = False
         try:
             value = fn(*args, **kwargs)
         except SystemExit as exc:  # sys.exit(0) in a rank is an ordinary return
             if exc.code not in (None, 0):
                 raise
-            value = None
+            value, exited = None, True
+        ended = time.time()
         phase = "result"
         payload, shared = _dump_result(spec.rank, value)
         _check_size(spec.rank, value, len(payload) + shared)
         progress._finish()
-        sender.send(Result(local, payload, shared))
+        sender.send(Result(local, payload, shared, time=ended, exited=exited))
         if shared:
             # The kernel fetches the shared memory from this process while
             # it unpickles; it says when it is done (or dies, and so do we).
@@ -172,6 +175,7 @@ def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str)
         try:
             fn, args, kwargs = ns.load(msg.job)
             phase = "fn"
+            exited = False
             try:
                 interrupt.running = True
                 if interrupt.pending or interrupt.asked():  # it came while the call was loading
@@ -180,16 +184,17 @@ def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str)
             except SystemExit as exc:
                 if exc.code not in (None, 0):
                     raise
-                value = None
+                value, exited = None, True
             finally:
                 interrupt.running = False
+            ended = time.time()
             interrupt.end()
             ns.forget()
             phase = "result"
             payload, shared = _dump_result(_current.rank, value)
             _check_size(_current.rank, value, len(payload) + shared)
             progress._finish()
-            sender.send(Result(local, payload, shared, call=msg.id, seq=_group_seq()))
+            sender.send(Result(local, payload, shared, call=msg.id, seq=_group_seq(), time=ended, exited=exited))
             del value
             if shared:  # keep the storages alive until the kernel has them
                 while go.recv() != RELEASE:
@@ -431,7 +436,38 @@ def _setup_torch(spec: WorkerSpec) -> bool:
         world_size=spec.world_size,
         timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
     )
+    _joined_store(spec, add=1)
     return True
+
+
+_JOINED_WAIT_S = 30.0
+
+
+def _joined_store(spec: WorkerSpec, add: int) -> int:
+    """Count this rank in (``add=1``), or read (``add=0``), how many ranks
+    have made the process group, on the ranks' store (hosted by the kernel,
+    so it outlives every rank). Returns the count; -1 without a store."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return int(store.add(f"nblaunch/joined/{spec.restart_count}", add))
+    except Exception:  # a backend without a default store: nothing to wait for
+        return -1
+
+
+def _wait_for_peers_joined(spec: WorkerSpec) -> None:
+    """gloo's init connects every pair of ranks, and a rank is through once
+    its own pairs are: a rank whose fn returns at once could tear its pairs
+    down while a slower peer is still connecting ("Gloo connectFullMesh
+    failed ... Connection closed by peer", seen under load). It leaves only
+    once every rank has made the group (bounded: a peer that never does is
+    the kernel's to report)."""
+    deadline = time.monotonic() + _JOINED_WAIT_S
+    delay = 0.001
+    while 0 <= _joined_store(spec, add=0) < spec.world_size and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
 
 
 def _load(job: Any) -> tuple:
@@ -565,22 +601,40 @@ def _safe_str(exc: BaseException) -> str:
 
 
 def _format_user_traceback(exc: BaseException) -> str:
-    """The traceback as the user would see it running fn in the cell: the
-    frames of this module, above fn, are left out."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
-        tb = tb.tb_next
+    """The traceback as the user would see it running fn in the cell:
+    nblaunch's own frames (this module above fn, the magic's cell runner)
+    are left out, unless the error was raised in nblaunch itself."""
     try:
-        return "".join(traceback.format_exception(type(exc), exc, tb))
+        te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+        _drop_machinery(te, set())
+        return "".join(te.format())
     except Exception:  # a __str__ that raises: the frames still tell where
-        frames = "".join(traceback.format_list(traceback.extract_tb(tb)))
+        summary = _user_frames(traceback.extract_tb(exc.__traceback__))
+        frames = "".join(traceback.format_list(summary))
         return f"Traceback (most recent call last):\n{frames}{type(exc).__qualname__}: {_safe_str(exc)}\n"
+
+
+def _user_frames(stack: traceback.StackSummary) -> traceback.StackSummary:
+    kept = [f for i, f in enumerate(stack) if not is_machinery(f.filename) or i == len(stack) - 1]
+    return traceback.StackSummary.from_list(kept)
+
+
+def _drop_machinery(te: traceback.TracebackException, seen: set) -> None:
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = _user_frames(te.stack)
+    for chained in (te.__cause__, te.__context__):
+        if chained is not None:
+            _drop_machinery(chained, seen)
 
 
 def _destroy_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if _current is not None:
+            _wait_for_peers_joined(_current)
         dist.destroy_process_group()
 
 

@@ -10,7 +10,11 @@ EXPECTED = {
     "sigkill": ("signal", "", signal.SIGKILL),
     "segfault": ("signal", "", signal.SIGSEGV),
     "sys.exit(1)": ("exception", "SystemExit", None),
-    "os._exit(0)": ("exit", "", 0),
+    # A rank that leaves early without an error is the cause, not the peer
+    # that lost it: "rank 1 exited (code 0) while rank 0 was in all_reduce".
+    "os._exit(0)": ("left", "", 0),
+    "sys.exit(0)": ("left", "", 0),
+    "return": ("left", "", None),
     "raise": ("exception", "ValueError", None),
     "raise, __str__ raises": ("exception", "BadStr", None),
 }
@@ -47,6 +51,10 @@ def fail(case: str, stamp: str = ""):
         sys.exit(1)
     elif case == "os._exit(0)":
         os._exit(0)
+    elif case == "sys.exit(0)":
+        sys.exit(0)
+    elif case == "return":
+        return "rank 1 is done early"
     elif case == "raise":
         raise ValueError("rank 1 gives up")
     elif case == "raise, __str__ raises":
@@ -66,6 +74,7 @@ def verdict(case: str, method: str, stamp: str = "", display: str = "none") -> t
         root = exc.root
         got_code = root.signal if kind == "signal" else root.exitcode
         ok = (exc.rank == 1 and root.kind == kind and root.exc_type == exc_type
-              and (code is None or got_code == code))
+              and (code is None or got_code == code)
+              and (kind != "left" or root.summary().endswith("while rank 0 was in all_reduce")))
         return exc.rank, ok, root.summary()
     return None, False, "no error raised"
