@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,19 @@ class GpuMemory:
     call: int = 0
 
 
-Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory]
+@dataclass(frozen=True)
+class Stopping:
+    """A live rank was interrupted inside a progress loop and stops, with
+    its peers, once the loop has made ``at`` steps in this call (a step
+    boundary, where no collective is pending); ``at`` is 0 while the ranks
+    are still agreeing on it."""
+
+    rank: int
+    at: int
+    call: int = 0
+
+
+Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping]
 
 
 class EventSender:
@@ -126,6 +138,6 @@ class EventSender:
 
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory)):
+    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping)):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event

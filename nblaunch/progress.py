@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Iterable, Optional
 
-from .channel import GpuMemory, Metrics, Progress
+from .channel import GpuMemory, Metrics, Progress, Stopping
 
 __all__ = ["progress", "log", "mirror_tqdm"]
 
@@ -59,10 +59,18 @@ class _Reporter:
     def _loop(self) -> None:
         next_gpu = time.monotonic() + GPU_EVERY_S
         complained = False
+        told = None  # the stop step the kernel was told of
         while True:
             self._wake.wait(1.0 / SEND_HZ)
             self._wake.clear()
             try:
+                # Sent from here, not from the signal handler that agreed on
+                # it: the handler may run while the main thread holds the
+                # sender's lock.
+                stop = (self.call, _stop_at)
+                if _agreement is not None and stop != told:
+                    self._sender.send(Stopping(self._rank, _stop_at or 0, self.call))
+                    told = stop
                 self.flush()
                 if time.monotonic() >= next_gpu:
                     next_gpu = time.monotonic() + GPU_EVERY_S
@@ -148,9 +156,51 @@ def _torch_imported() -> None:
     _torch_ready = True
 
 
+# Loop steps of the current call (every item of a bar's iteration, every
+# update() of a progress bar); once the stop button was pressed, how the
+# ranks agree on the step they stop at; once agreed, that step.
+_steps = 0
+_agreement = None
+_stop_at: Optional[int] = None
+
+
+def _count_step() -> None:
+    """One more step of a loop (called between two items, where the loop
+    body has ended and no collective is pending): where a live call's
+    interrupt lands once the ranks have agreed on this step."""
+    global _steps, _stop_at
+    _steps += 1
+    if _agreement is not None and _stop_at is None:
+        try:
+            _stop_at = _agreement().offer(_steps)
+        except Exception:  # the store is gone: the kernel is ending the ranks anyway
+            _stop_at = _steps
+    if _stop_at is not None and _steps >= _stop_at:
+        raise KeyboardInterrupt
+
+
+def stop_at_a_step(agreement) -> bool:
+    """Called in a live rank's SIGINT handler for the stop button. If this
+    call's code loops over a bar, the rank goes on to a step that every
+    rank agrees on, and returns True: ``KeyboardInterrupt`` then comes at
+    that step, between two items. False (interrupt now): this call has no
+    loop with a bar. Nothing is done here but note the request (a signal
+    handler may run inside a Python callback of a C++ call, such as
+    ``backward``); from the next step on, ``agreement()`` is asked for this
+    rank's count and the agreed step (see ``worker._StepAgreement``)."""
+    global _agreement
+    if _steps == 0:
+        return False
+    if _agreement is None:
+        _agreement = agreement
+    return True
+
+
 def _new_call(call: int) -> None:
     """A live rank starts call ``call``: bars and metrics of the last one
     (an interrupted call may leave bars open) are dropped, not carried over."""
+    global _steps, _stop_at, _agreement
+    _steps, _stop_at, _agreement = 0, None, None
     if _reporter is not None:
         _reporter.bars.clear()
         _reporter._sent.clear()
@@ -192,10 +242,11 @@ class progress:
         if self.iterable is None:
             raise TypeError("progress(total=...) without an iterable is used with update()")
         if _reporter is not None:
-            # The hot path: one integer add per item; the reporter thread reads n.
+            # The hot path: an integer add and a step count per item; the reporter thread reads n.
             for item in self.iterable:
                 yield item
                 self.n += 1
+                _count_step()
         else:
             for item in self.iterable:
                 yield item
@@ -204,7 +255,9 @@ class progress:
 
     def update(self, k: int = 1) -> None:
         self.n += k
-        if _reporter is None:
+        if _reporter is not None:
+            _count_step()
+        else:
             now = time.monotonic()
             if now - self._last_draw >= 0.1:
                 self._last_draw = now
@@ -286,6 +339,15 @@ def mirror_tqdm(tqdm_cls) -> None:
     if tqdm_cls.__dict__.get("_nblaunch_mirrored"):
         return
     init, display, clear, close = tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.clear, tqdm_cls.close
+    iterate = tqdm_cls.__iter__
+
+    def __iter__(self):
+        if not self.__dict__.get("_nblaunch_row"):
+            yield from iterate(self)
+            return
+        for obj in iterate(self):
+            yield obj
+            _count_step()  # a step boundary: where a live call's interrupt may land
 
     def __init__(self, *args, **kwargs):
         file = kwargs.get("file", args[4] if len(args) > 4 else None)
@@ -319,6 +381,7 @@ def mirror_tqdm(tqdm_cls) -> None:
                 _reporter._wake.set()
 
     tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.clear, tqdm_cls.close = __init__, display_, clear_, close_
+    tqdm_cls.__iter__ = __iter__
     tqdm_cls._nblaunch_mirrored = True
 
 

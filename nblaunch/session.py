@@ -46,6 +46,9 @@ from .supervisor import _NO_RESULT, STOP_GRACE_S, LaunchTimeout, Supervisor, _Ra
 __all__ = ["start", "Ranks", "active"]
 
 INTERRUPT_GRACE_S = 2.0  # interrupt -> every rank idle again, or the ranks are restarted
+# The stop button in a loop with a bar: the ranks stop together at an agreed
+# step (worker._CallInterrupt); this is how long they get to reach it.
+STEP_STOP_WAIT_S = 20.0
 CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 
 _active: Optional[weakref.ref] = None
@@ -69,6 +72,7 @@ class _LiveSupervisor(Supervisor):
         self._shut = False
         self._answer_by: Optional[float] = None
         self._interrupted: set[int] = set()
+        self._stopping_at: dict[int, int] = {}  # rank -> the loop step it stops at (the stop button)
         self._opened = False
 
     # -- lifetime ---------------------------------------------------------------
@@ -138,7 +142,7 @@ class _LiveSupervisor(Supervisor):
         self._stall_warning, self._stalled = stall_warning, set()
         self._stop_at = self._stop_deadline = self._answer_by = self._left_check = None
         self._result_bytes = 0
-        self._interrupted = set()
+        self._interrupted, self._stopping_at = set(), {}
         self._sampler = Sampler(gpu_devices([r.spec.local_rank for r in self._ranks]))
         for r in self._ranks:
             r.result, r.failure, r.stopped, r.signals_sent, r.departure = _NO_RESULT, None, False, set(), None
@@ -164,7 +168,7 @@ class _LiveSupervisor(Supervisor):
         except KeyboardInterrupt as exc:
             where = self._where()
             self._display.notice("interrupted (where each rank was: in the error below)")
-            kept = self._interrupt_all()
+            kept = self._interrupt_all(at_a_step=True)
             render_interrupt(exc, [f"KeyboardInterrupt: call {number} was interrupted on every rank. "
                                    f"{self._fate(kept)} Where each rank was (innermost frame first):",
                                    where, f"Full output: {self._log_dir}"])
@@ -180,11 +184,13 @@ class _LiveSupervisor(Supervisor):
     def _call_over(self) -> bool:
         return all(r.exited or r.result is not _NO_RESULT or r.failure is not None for r in self._ranks)
 
-    def _interrupt_all(self) -> bool:
+    def _interrupt_all(self, at_a_step: bool = False) -> bool:
         """Interrupt every rank still in the call; True if all are idle
-        again within ``INTERRUPT_GRACE_S`` (else the ranks are broken)."""
+        again within ``INTERRUPT_GRACE_S`` (else the ranks are broken).
+        ``at_a_step`` (the stop button): ranks in a loop with a bar stop
+        together at a step they agree on, where no collective is pending."""
         self._answer_by = None  # a fresh grace from now
-        self._interrupt()
+        self._interrupt(at_a_step)
         try:
             while not self._call_over() and not self.broken:
                 self._pass()
@@ -193,24 +199,38 @@ class _LiveSupervisor(Supervisor):
             self._break("the interrupt was pressed again while the ranks were stopping")
         return not self.broken
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, at_a_step: bool = False) -> None:
+        how = f"{self._call} at a step" if at_a_step else str(self._call)  # see worker._CallInterrupt
         for r in self._ranks:
             if r.exited or r.result is not _NO_RESULT or r.failure is not None:
                 continue
             self._interrupted.add(r.rank)
             try:
-                _write_atomically(r.spec.interrupt_file, str(self._call))  # which call: see worker._CallInterrupt
+                _write_atomically(r.spec.interrupt_file, how)
                 os.kill(r.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
             except (OSError, TypeError):
                 pass
         if self._answer_by is None:
             self._answer_by = time.monotonic() + INTERRUPT_GRACE_S
 
+    def _on_stopping(self, r: _Rank, event) -> None:
+        if r.rank not in self._interrupted or self._answer_by is None or self.broken:
+            return
+        if event.at and not any(self._stopping_at.values()):
+            self._display.notice(f"every rank stops after step {event.at} of its loop, where no collective "
+                                 "is pending (press stop again to stop at once; the ranks are then restarted)")
+        self._stopping_at[r.rank] = event.at
+        self._answer_by = max(self._answer_by, time.monotonic() + STEP_STOP_WAIT_S)
+
     def _check_answers(self) -> None:
         if self._answer_by is None or self.broken or time.monotonic() < self._answer_by or self._call_over():
             return
         stuck = [r.global_rank for r in self._ranks
                  if not r.exited and r.result is _NO_RESULT and r.failure is None]
+        if self._stopping_at:
+            self._break(f"{_ranks_label(stuck)} did not reach the agreed stop step within {STEP_STOP_WAIT_S:g} s "
+                        f"of being interrupted; where each rank was:\n{self._where()}")
+            return
         self._break(f"{_ranks_label(stuck)} did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
                     "(most likely blocked in a collective that another rank never joined)")
 

@@ -8,11 +8,13 @@ main thread's innermost frames, with the source line, per rank.
 """
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import linecache
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,16 +30,40 @@ _SETTLE_S = 0.05
 _keep_open = []  # the file faulthandler writes to must outlive this call
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
-_THREAD = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-f]+)")
+_THREAD = re.compile(r"^(?:(?:Current thread|Thread) (?P<ident>0x[0-9a-f]+)|Stack \(most recent call first\))")
+
+
+def _tgkill():
+    """glibc's ``tgkill``: a signal to one thread of another process."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).tgkill
+    except (OSError, AttributeError):
+        return None
+
+
+# On Linux the kernel signals a rank's main thread itself (its thread id is
+# the rank's pid), and the rank dumps that thread alone: faulthandler walks
+# every other thread's frames without the GIL, and a thread starting or
+# ending meanwhile (tqdm's monitor, a DataLoader's pin thread) crashed a
+# rank now and then (seen: SIGSEGV in about 1 of 50 dumps of a busy rank).
+_TGKILL = _tgkill()
 
 
 def register(path: str) -> None:
-    """In a rank: dump every thread's stack to ``path`` on ``SIGUSR1``."""
+    """In a rank: dump the main thread's stack (every thread's where a
+    signal cannot be sent to one thread) to ``path`` on ``SIGUSR1``."""
     fh = open(path, "w")
     fh.write(f"main {threading.main_thread().ident:#018x}\n")
     fh.flush()
     _keep_open.append(fh)
-    faulthandler.register(SIGNAL, file=fh, all_threads=True, chain=False)
+    faulthandler.register(SIGNAL, file=fh, all_threads=_TGKILL is None, chain=False)
+
+
+def _signal_main_thread(pid: int) -> None:
+    if _TGKILL is None or _TGKILL(pid, pid, int(SIGNAL)) != 0:
+        os.kill(pid, SIGNAL)
 
 
 def collect(ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
@@ -47,7 +73,7 @@ def collect(ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
     for rank, (pid, path) in ranks.items():
         sizes[rank] = _size(path)
         try:
-            os.kill(pid, SIGNAL)
+            _signal_main_thread(pid)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + ANSWER_S
@@ -103,8 +129,8 @@ def _main_thread_frames(dump: str, main_ident: Optional[str]) -> list[tuple[str,
     threads: dict[str, list] = {}
     current = None
     for raw in dump.splitlines():
-        if m := _THREAD.match(raw):
-            current = threads.setdefault(m.group("ident"), [])
+        if m := _THREAD.match(raw):  # a thread, or the one thread of a main-thread dump
+            current = threads.setdefault(m.group("ident") or main_ident or "main", [])
         elif (m := _FRAME.match(raw)) and current is not None:
             current.append((m.group("file"), int(m.group("line")), m.group("func")))
     if main_ident in threads:

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import psutil
 
-from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, decode
+from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, Stopping, decode
 from .errors import (NBLAUNCH_ENDED, Departure, LaunchError, RankFailure, WorkerError, blame_departures, left_early,
                      render_interrupt, root_cause)
 from .resources import Sampler, gpu_devices
@@ -368,6 +368,11 @@ class Supervisor:
             elif isinstance(event, Started):
                 r.started = True
                 state.set_rank(r.rank, "running")
+            elif isinstance(event, Stopping):
+                self._on_stopping(r, event)
+
+    def _on_stopping(self, r: _Rank, event: Stopping) -> None:
+        """A live rank stops at a loop step (a launch's interrupt ends its ranks)."""
 
     def _take_result(self, r: _Rank, event: Result) -> None:
         """Unpickle a result as it arrives (its tensors' shared memory is

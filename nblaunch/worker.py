@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import datetime
 import faulthandler
+import functools
 import io
 import os
 import pickle
@@ -227,20 +228,75 @@ class _CallInterrupt:
     def end(self) -> None:
         self._call, self.pending, self.running = None, False, False
 
-    def asked(self) -> bool:
+    def asked(self) -> Optional[str]:
+        """How the kernel asked this call to stop: ``"now"``, ``"at a step"``
+        (the stop button: see :func:`nblaunch.progress.stop_at_a_step`), or
+        None when it asked for another call (or not at all)."""
         if self._call is None or not self._path:
-            return False
+            return None
         try:
             with open(self._path) as f:
-                return f.read().strip() == str(self._call)
-        except (OSError, ValueError):
-            return False
+                call, _, how = f.read().strip().partition(" ")
+        except OSError:
+            return None
+        return (how or "now") if call == str(self._call) else None
 
     def handler(self, signum, frame) -> None:
-        if self.asked():
-            if self.running:
-                raise KeyboardInterrupt
-            self.pending = True
+        how = self.asked()
+        if how is None:
+            return
+        if self.running:
+            if how == "at a step" and _StepAgreement.possible() and progress.stop_at_a_step(
+                    functools.partial(_StepAgreement.for_call, self._call)):
+                return  # the KeyboardInterrupt comes at the agreed step
+            raise KeyboardInterrupt
+        self.pending = True
+
+
+class _StepAgreement:
+    """How the ranks of one live call agree on the loop step at which they
+    all stop, through the ranks' store (the kernel's; no collective, which
+    could pair with the user's own). Each rank, from the moment its SIGINT
+    is handled, offers its step count at every step. Once every rank has
+    offered, the first rank to see it fixes the stop step at one past the
+    highest count offered (first writer wins, ``compare_set``). A rank
+    offers before it reads, and its count only grows at a step, so no rank
+    is past the step when it learns it; ranks in lockstep (DDP) reach it
+    together. No anchor does this: torchrun, accelerate and ipyparallel
+    interrupt wherever each rank happens to be."""
+
+    _made: dict = {}  # call -> its agreement, made at this rank's first step after the signal
+
+    def __init__(self, store, key: str, rank: int, world_size: int):
+        self._store, self._key, self._rank, self._world = store, key, rank, world_size
+
+    @staticmethod
+    def possible() -> bool:
+        """Only with a process group: without one there are no peers to stay in step with."""
+        torch = sys.modules.get("torch")
+        return _current is not None and torch is not None and torch.distributed.is_initialized()
+
+    @classmethod
+    def for_call(cls, call: int) -> "_StepAgreement":
+        if call not in cls._made:
+            import torch.distributed as dist
+
+            store = dist.distributed_c10d._get_default_store()
+            cls._made = {call: cls(store, f"nblaunch/stop/{_current.restart_count}/{call}",
+                                   dist.get_rank(), dist.get_world_size())}
+        return cls._made[call]
+
+    def offer(self, steps: int) -> Optional[int]:
+        """Record this rank's count; the agreed stop step once there is one."""
+        store, key = self._store, self._key
+        store.set(f"{key}/{self._rank}", str(steps))
+        if store.check([f"{key}/at"]):
+            return int(store.get(f"{key}/at"))
+        offered = [f"{key}/{rank}" for rank in range(self._world)]
+        if not store.check(offered):
+            return None
+        highest = max(int(store.get(k)) for k in offered)
+        return int(store.compare_set(f"{key}/at", "", str(highest + 1)))
 
 
 def _group_seq() -> int:

@@ -155,3 +155,63 @@ def test_rank_tracebacks_name_the_cell_and_leave_out_the_magic(leavers):
         assert "magic.py" not in shown and "_exec_cell" not in shown and "run_cell_live" not in shown, shown
     finally:
         leavers.execute("%nblaunch stop")
+
+
+# --- the stop button on a compute-bound DDP loop, on live ranks --------------------------
+
+BUSY_DDP = """
+import nblaunch
+ranks = nblaunch.start(2)
+
+def setup():
+    global model, opt, steps_done
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps_done = 0
+
+def train(kind, attempt):
+    global steps_done
+    import torch
+    from tqdm import tqdm
+    from nblaunch import progress
+    bar = progress if kind == "progress" else tqdm
+    x = torch.randn(32, 64)
+    for i in bar(range(10**9)):          # compute-bound, no sleep: runs until stopped
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()                  # DDP's all-reduce
+        opt.step()
+        steps_done += 1
+        if i == 20 and torch.distributed.get_rank() == 0:
+            print(f"looping {attempt}", flush=True)
+
+ranks.run(setup)
+"""
+
+TRIES = 20
+
+
+@pytest.mark.parametrize("kind", ["progress", "tqdm"])
+def test_the_stop_button_on_a_busy_ddp_loop_keeps_the_live_ranks(kind):
+    k = Kernel()
+    try:
+        assert k.execute(BUSY_DDP, timeout=180).error is None
+        for attempt in range(TRIES):
+            msg_id = k.execute_async(f"ranks.run(train, {kind!r}, {attempt}, display='text')")
+            k.wait_for_output(f"looping {attempt}", timeout=120)
+            k.km.interrupt_kernel()
+            reply = k.wait_for_reply(msg_id, timeout=120)
+            assert reply.error is not None and reply.error["ename"] == "KeyboardInterrupt", reply.stdout
+            shown = "\n".join(reply.error["traceback"])
+            assert "keep their state" in shown, (attempt, shown.replace("\n", " // "))
+            reply = k.execute("print('STATE', ranks.restarts, ranks.run(lambda: steps_done, display='none'))")
+            restarts, done = reply.stdout.split("STATE ")[1].split(" ", 1)
+            assert restarts == "0", (attempt, reply.stdout)  # the set-up survived
+            same = eval(done)  # noqa: S307 - [steps on rank 0, steps on rank 1]
+            assert same[0] == same[1] > 20 * (attempt + 1), (attempt, same)  # stopped at the same step
+        k.execute("ranks.close()")
+    finally:
+        k.shutdown()
