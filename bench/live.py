@@ -15,6 +15,11 @@
 3. Interrupt -> ranks idle again: the ranks spin in Python; the kernel is
    interrupted; time until the cell has returned (every rank has left the
    call and waits for the next). Goal: <= 1 s. Median of 5.
+4. The stop button on a compute-bound DDP loop (no sleep): how many of 20
+   interrupts keep the ranks (no restart, the same step count on every
+   rank), with the loop over ``nblaunch.progress`` (the ranks agree on a step
+   to stop at) and over a plain ``range`` (interrupted wherever each rank
+   is, as every other launcher does). Goal: 20 of 20 with the bar.
 
     python bench/live.py            # about 3 minutes on 2 CPUs
     python bench/live.py --smoke    # one of each, 2 ranks (CI)
@@ -96,6 +101,27 @@ def spin():
     print("spinning", flush=True)
     while True:
         sum(range(1000))
+
+def ddp_setup():
+    global model, opt, steps_done
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps_done = 0
+
+def busy_ddp(bar, attempt):
+    global steps_done
+    x = torch.randn(32, 64)
+    loop = nblaunch.progress(range(10**9)) if bar else range(10**9)
+    for i in loop:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps_done += 1
+        if i == 20 and dist.get_rank() == 0:
+            print(f"looping {attempt}", flush=True)
 '''
 
 
@@ -220,6 +246,33 @@ def interrupt(n: int, reps: int) -> dict:
     return out
 
 
+def stop_button(tries: int) -> dict:
+    """Interrupts of a busy DDP loop on live ranks that keep them, with and without a bar."""
+    out = {}
+    for bar in (True, False):
+        k = BenchKernel()
+        kept = 0
+        try:
+            k.run(SETUP + "\nranks = nblaunch.start(2, display='none')\nranks.run(ddp_setup)\n")
+            for attempt in range(tries):
+                msg = k.kc.execute(f"ranks.run(busy_ddp, {bar}, {attempt}, display='text')")
+                _wait_stream(k, f"looping {attempt}")
+                k.km.interrupt_kernel()
+                _wait_idle(k, msg, timeout=120)
+                if k.run("print(ranks.restarts)").split()[-1] == "0":
+                    steps = k.run("print(len(set(ranks.run(lambda: steps_done, display='none'))))")
+                    kept += steps.split()[-1] == "1"  # every rank at the same step
+                else:  # a restart lost the set-up: make it again for the next try
+                    k.run("ranks.restarts = 0\nranks.run(ddp_setup, display='none')")
+            k.run("ranks.close()")
+        finally:
+            k.close()
+        name = "progress_bar" if bar else "plain_range"
+        out[name] = {"kept": kept, "tries": tries}
+        print(f"stop button on a busy DDP loop ({name.replace('_', ' ')}): ranks kept {kept} of {tries}", flush=True)
+    return out
+
+
 def _wait_stream(k, needle: str, timeout: float = 60) -> None:
     seen, deadline = "", time.monotonic() + timeout
     while needle not in seen:
@@ -242,9 +295,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true")
     opts = parser.parse_args(argv)
     if opts.smoke:  # the script still runs; nothing is written
-        overhead([2], 1), scenario(2, 1, 0.1, 2), interrupt(2, 1)
+        overhead([2], 1), scenario(2, 1, 0.1, 2), interrupt(2, 1), stop_button(1)
         return 0
-    result = {"overhead": overhead([2, 4], 15), "scenario": scenario(2, 5, 3.0, 20), "interrupt": interrupt(2, 5)}
+    result = {"overhead": overhead([2, 4], 15), "scenario": scenario(2, 5, 3.0, 20), "interrupt": interrupt(2, 5),
+              "stop_button": stop_button(20)}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "live.json").write_text(json.dumps(result, indent=2))
     return 0

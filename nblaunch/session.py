@@ -252,6 +252,11 @@ class _LiveSupervisor(Supervisor):
             super()._begin_stop()
 
     def _on_failure(self, failure: RankFailure) -> None:
+        if failure.kind == "interrupted" and self._answer_by is not None:
+            # A rank answered the interrupt under way: the others have been
+            # asked too (and may be on their way to the agreed step, which
+            # a second interrupt would cut short).
+            return
         if failure.kind == "left" and self._in_call:
             # The ranks that wait for it are in a collective: no interrupt reaches them.
             self._break(failure.summary())

@@ -345,31 +345,39 @@ class Supervisor:
 
     def _read_events(self, r: _Rank) -> None:
         while r.events_open and r.events.poll(0):
-            try:
-                event = decode(r.events.recv_bytes())
-            except (EOFError, OSError):
-                r.events_open = False
-                return
-            state = self._display.state
-            if getattr(event, "call", 0) != self._call:
-                continue  # a live rank's bar of its last call, sent as that call ended
-            if isinstance(event, Progress):
-                state.progress(event)
-            elif isinstance(event, Metrics):
-                state.metrics(event)
-            elif isinstance(event, GpuMemory):
-                self._sampler.reported[r.rank] = (event.device, event.used, event.total, None)
-            elif isinstance(event, Result):
-                self._take_result(r, event)
-            elif isinstance(event, Failure):
-                r.failure = self._failure_of(r, event)
-                state.set_rank(r.rank, r.failure.kind if r.failure.kind in NBLAUNCH_ENDED else "failed")
-                self._on_failure(r.failure)
-            elif isinstance(event, Started):
-                r.started = True
-                state.set_rank(r.rank, "running")
-            elif isinstance(event, Stopping):
-                self._on_stopping(r, event)
+            # The stop button's KeyboardInterrupt waits until the event is
+            # read and applied: one landing between a message's length and
+            # its body would leave the rest of the rank's stream unreadable
+            # (seen on live ranks: a rank's report lost after an interrupt).
+            with _InterruptsDeferred():
+                self._read_event(r)
+
+    def _read_event(self, r: _Rank) -> None:
+        try:
+            event = decode(r.events.recv_bytes())
+        except (EOFError, OSError):
+            r.events_open = False
+            return
+        state = self._display.state
+        if getattr(event, "call", 0) != self._call:
+            return  # a live rank's bar of its last call, sent as that call ended
+        if isinstance(event, Progress):
+            state.progress(event)
+        elif isinstance(event, Metrics):
+            state.metrics(event)
+        elif isinstance(event, GpuMemory):
+            self._sampler.reported[r.rank] = (event.device, event.used, event.total, None)
+        elif isinstance(event, Result):
+            self._take_result(r, event)
+        elif isinstance(event, Failure):
+            r.failure = self._failure_of(r, event)
+            state.set_rank(r.rank, r.failure.kind if r.failure.kind in NBLAUNCH_ENDED else "failed")
+            self._on_failure(r.failure)
+        elif isinstance(event, Started):
+            r.started = True
+            state.set_rank(r.rank, "running")
+        elif isinstance(event, Stopping):
+            self._on_stopping(r, event)
 
     def _on_stopping(self, r: _Rank, event: Stopping) -> None:
         """A live rank stops at a loop step (a launch's interrupt ends its ranks)."""
@@ -634,6 +642,32 @@ class Supervisor:
             return results
         error = WorkerError(failures, log_dir=str(self._log_dir))
         raise error from error.root.exception
+
+
+class _InterruptsDeferred:
+    """Within the block, SIGINT (the kernel's interrupt) is noted instead of
+    raised, and raised as ``KeyboardInterrupt`` (through the handler that was
+    there) when the block ends. Only the main thread receives signals, so
+    elsewhere this does nothing."""
+
+    def __enter__(self):
+        self._previous, self._pending = None, False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._pending = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        if self._pending:
+            self._previous(signal.SIGINT, None)
 
 
 class _Starter:
