@@ -41,6 +41,9 @@ sys.path.insert(0, str(HERE))
 
 from run import BenchKernel  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent / "tests"))
+from busy_ddp import BUSY_DDP  # noqa: E402  (the stop-button loop, shared with the tests)
+
 SETUP = r'''
 import os, socket, time, contextlib, io
 import torch, torch.distributed as dist
@@ -102,26 +105,6 @@ def spin():
     while True:
         sum(range(1000))
 
-def ddp_setup():
-    global model, opt, steps_done
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps_done = 0
-
-def busy_ddp(bar, attempt):
-    global steps_done
-    x = torch.randn(32, 64)
-    loop = nblaunch.progress(range(10**9)) if bar else range(10**9)
-    for i in loop:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        steps_done += 1
-        if i == 20 and dist.get_rank() == 0:
-            print(f"looping {attempt}", flush=True)
 '''
 
 
@@ -253,9 +236,10 @@ def stop_button(tries: int) -> dict:
         k = BenchKernel()
         kept = 0
         try:
-            k.run(SETUP + "\nranks = nblaunch.start(2, display='none')\nranks.run(ddp_setup)\n")
+            k.run(BUSY_DDP)
+            kind = "progress" if bar else "plain"
             for attempt in range(tries):
-                msg = k.kc.execute(f"ranks.run(busy_ddp, {bar}, {attempt}, display='text')")
+                msg = k.kc.execute(f"ranks.run(train, {kind!r}, {attempt}, display='text')")
                 _wait_stream(k, f"looping {attempt}")
                 k.km.interrupt_kernel()
                 _wait_idle(k, msg, timeout=120)
@@ -263,7 +247,7 @@ def stop_button(tries: int) -> dict:
                     steps = k.run("print(len(set(ranks.run(lambda: steps_done, display='none'))))")
                     kept += steps.split()[-1] == "1"  # every rank at the same step
                 else:  # a restart lost the set-up: make it again for the next try
-                    k.run("ranks.restarts = 0\nranks.run(ddp_setup, display='none')")
+                    k.run("ranks.restarts = 0\nranks.run(setup, display='none')")
             k.run("ranks.close()")
         finally:
             k.close()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from busy_ddp import BUSY_DDP
 from conftest import Kernel
 
 pytestmark = pytest.mark.timeout(600)
@@ -158,38 +159,6 @@ def test_rank_tracebacks_name_the_cell_and_leave_out_the_magic(leavers):
 
 
 # --- the stop button on a compute-bound DDP loop, on live ranks --------------------------
-
-BUSY_DDP = """
-import nblaunch
-ranks = nblaunch.start(2)
-
-def setup():
-    global model, opt, steps_done
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps_done = 0
-
-def train(kind, attempt):
-    global steps_done
-    import torch
-    from tqdm import tqdm
-    from nblaunch import progress
-    bar = progress if kind == "progress" else tqdm
-    x = torch.randn(32, 64)
-    for i in bar(range(10**9)):          # compute-bound, no sleep: runs until stopped
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()                  # DDP's all-reduce
-        opt.step()
-        steps_done += 1
-        if i == 20 and torch.distributed.get_rank() == 0:
-            print(f"looping {attempt}", flush=True)
-
-ranks.run(setup)
-"""
 
 TRIES = 20
 
