@@ -281,8 +281,7 @@ class _StepAgreement:
         if call not in cls._made:
             import torch.distributed as dist
 
-            store = dist.distributed_c10d._get_default_store()
-            cls._made = {call: cls(store, f"nblaunch/stop/{_current.restart_count}/{call}",
+            cls._made = {call: cls(_ranks_store(), f"nblaunch/stop/{_current.restart_count}/{call}",
                                    dist.get_rank(), dist.get_world_size())}
         return cls._made[call]
 
@@ -503,13 +502,18 @@ def _joined_store(spec: WorkerSpec, add: int) -> int:
     """Count this rank in (``add=1``), or read (``add=0``), how many ranks
     have made the process group, on the ranks' store (hosted by the kernel,
     so it outlives every rank). Returns the count; -1 without a store."""
-    import torch.distributed as dist
-
     try:
-        store = dist.distributed_c10d._get_default_store()
-        return int(store.add(f"nblaunch/joined/{spec.restart_count}", add))
+        return int(_ranks_store().add(f"nblaunch/joined/{spec.restart_count}", add))
     except Exception:  # a backend without a default store: nothing to wait for
         return -1
+
+
+def _ranks_store():
+    """The store the ranks made their process group through (the kernel's
+    TCPStore, under the group's prefix). torch has no public accessor."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
 
 
 def _wait_for_peers_joined(spec: WorkerSpec) -> None:
