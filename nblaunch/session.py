@@ -181,9 +181,6 @@ class _LiveSupervisor(Supervisor):
         return ("The ranks are idle and keep their state." if kept
                 else f"The ranks could not be kept: {self.broken}.")
 
-    def _call_over(self) -> bool:
-        return all(r.exited or r.result is not _NO_RESULT or r.failure is not None for r in self._ranks)
-
     def _interrupt_all(self, at_a_step: bool = False) -> bool:
         """Interrupt every rank still in the call; True if all are idle
         again within ``INTERRUPT_GRACE_S`` (else the ranks are broken).

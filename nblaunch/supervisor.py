@@ -282,7 +282,7 @@ class Supervisor:
             if not rank.exited:
                 handler(rank)
         now = time.monotonic()
-        if self._stop_at is not None and (now >= self._stop_at or self._all_accounted_for()):
+        if self._stop_at is not None and (now >= self._stop_at or self._call_over()):
             self._stop_at = None
             self._begin_stop()
         if self._stop_deadline is not None and now >= self._stop_deadline:
@@ -298,10 +298,11 @@ class Supervisor:
             self._display.state.resources(usage)
         self._display.tick()
 
-    def _all_accounted_for(self) -> bool:
-        """Every rank has reported or ended: whatever a held consequence
-        waits for (its cause) is already in."""
-        return all(r.exited or r.failure is not None or r.result is not _NO_RESULT for r in self._ranks)
+    def _call_over(self) -> bool:
+        """Every rank has returned, failed or ended (on live ranks: this
+        call's part of it); whatever a held consequence waits for (its
+        cause) is then already in."""
+        return all(r.exited or r.result is not _NO_RESULT or r.failure is not None for r in self._ranks)
 
     def _read_output(self, r: _Rank, max_reads: Optional[int] = READS_PER_PASS) -> None:
         """Take what the rank wrote: at most ``max_reads`` chunks per pass, so
