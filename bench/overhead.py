@@ -127,7 +127,7 @@ def _torch_rank(index, steps, port, out):
     import torch
     import torch.distributed as dist
 
-    from nblaunch.launcher import default_threads
+    from nblaunch.plan import default_threads
 
     torch.set_num_threads(default_threads(2))  # what nblaunch gives each rank: compare loops, not thread counts
     dist.init_process_group("gloo")

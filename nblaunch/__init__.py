@@ -1,10 +1,9 @@
 """nblaunch: distributed PyTorch training as one call from a notebook cell."""
 from .data import sharded_loader
-from .errors import LaunchError, RankFailure, WorkerError
+from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import LaunchResults, notebook_launcher
 from .progress import log, progress
 from .session import Ranks, start
-from .supervisor import LaunchTimeout
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError", "WorkerError", "LaunchTimeout",
            "RankFailure"]

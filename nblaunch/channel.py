@@ -39,7 +39,7 @@ class Result:
     rank: int
     payload: bytes
     shared: int = 0
-    call: int = 0  # which call of a live session this ends (0: a launch, or a session's start)
+    call: int = 0  # which call this ends (0: a launch's only call, or live ranks' set-up)
     seq: int = -1  # collectives this rank has issued on the default group (-1: unknown)
     time: float = 0.0  # when fn ended, on the rank's clock
     exited: bool = False  # fn ended with sys.exit(0) rather than a return
@@ -51,11 +51,15 @@ CLOSE = "close"  # kernel -> a live rank, on the go pipe: leave
 
 @dataclass(frozen=True)
 class Call:
-    """Kernel -> a live rank, on the go pipe: run ``job`` (a
-    :func:`nblaunch.namespace.pack_call` payload) as call number ``id``."""
+    """Kernel -> a rank: run ``job`` as call number ``id``. A live rank
+    gets each on its go pipe (``job``: a :func:`nblaunch.namespace.pack_call`
+    payload); a launch's rank has its one call, number 0, from the start
+    (``job``: ``(fn, args, kwargs)`` when forked, else a ``PackedJob``).
+    ``timeout``: the call's, which its collectives' timeout follows."""
 
     id: int
-    job: bytes
+    job: object
+    timeout: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import re
 import signal as _signal
+import dataclasses
+import json
+import pickle
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .frames import in_notebook_terms, is_machinery, parse_frame
 
-__all__ = ["LaunchError", "WorkerError", "RankFailure", "Departure"]
+__all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "RankFailure", "Departure"]
 
 
 class LaunchError(RuntimeError):
@@ -23,6 +26,18 @@ class LaunchError(RuntimeError):
         # IPython calls this instead of formatting the traceback: the frames
         # are the launcher's own, and the message already says what happened.
         return [f"{type(self).__name__}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+class LaunchTimeout(LaunchError):
+    """The launch (or a call on live ranks) ran past its ``timeout``; the
+    ranks were stopped. ``log_dir``: where each rank's full output is kept."""
+
+    def __init__(self, message: str, log_dir: Optional[str] = None):
+        super().__init__(message)
+        self.log_dir = log_dir
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.log_dir))
 
 
 def render_interrupt(exc: KeyboardInterrupt, lines: list[str]) -> None:
@@ -106,6 +121,73 @@ class RankFailure:
         if self.kind == "interrupted":
             return f"{self.label}: its call was interrupted by nblaunch after the failure above (the rank is kept)"
         return f"{self.label} exited with code {self.exitcode} without returning a result"
+
+
+    @property
+    def row(self) -> str:
+        """How the view's row of this rank ends: ``stopped``/``interrupted``
+        when nblaunch ended it, else ``failed``."""
+        return self.kind if self.kind in NBLAUNCH_ENDED else "failed"
+
+
+# -- every way a RankFailure is made ------------------------------------------
+
+def reported(rank: int, node: Optional[int], time: float, exc_type: str, message: str, traceback: str,
+             exception: Optional[bytes], interrupted: bool = False) -> RankFailure:
+    """A rank's own report of an exception (``channel.Failure``). On live
+    ranks, a ``KeyboardInterrupt`` nblaunch asked for is kind
+    ``interrupted``: the rank is kept, and it is no one's root cause."""
+    if interrupted and exc_type == "KeyboardInterrupt":
+        return RankFailure(rank, "interrupted", time, exc_type=exc_type, remote_traceback=traceback, node=node)
+    try:
+        exc = pickle.loads(exception) if exception is not None else None
+    except Exception:
+        exc = None
+    return RankFailure(rank, "exception", time, exc_type=exc_type, message=message, remote_traceback=traceback,
+                       exception=exc, exitcode=1, node=node)  # the worker's exit code after a report
+
+
+def unreadable_result(rank: int, node: Optional[int], time: float, exc: BaseException) -> RankFailure:
+    """A result the kernel could not take (unpicklable here, or over the limit)."""
+    why = str(exc) if isinstance(exc, ValueError) and "NBLAUNCH_MAX_RESULT_BYTES" in str(exc) else (
+        f"the result of rank {rank} could not be unpickled in the kernel: {exc}")
+    return RankFailure(rank, "exception", time, exc_type=type(exc).__qualname__, message=why, node=node)
+
+
+def death(rank: int, node: Optional[int], time: float, code: int, stopped: bool, signals_sent: set,
+          last_lines: tuple) -> RankFailure:
+    """A rank that ended without a result or a report. Stopped by nblaunch
+    (``stopped``: it was signalled while still in its call) unless it died of
+    a signal nblaunch never sent: a segfault, or a SIGKILL from elsewhere
+    between nblaunch's SIGTERM and its SIGKILL."""
+    sig = -code if code < 0 else None
+    if stopped and not (sig is not None and sig not in signals_sent):
+        return RankFailure(rank, "stopped", time, exitcode=code, signal=sig, last_lines=last_lines, node=node)
+    if sig is not None:
+        return RankFailure(rank, "signal", time, exitcode=code, signal=sig, last_lines=last_lines, node=node)
+    return RankFailure(rank, "exit", time, exitcode=code, last_lines=last_lines, node=node)
+
+
+def node_ended(first_rank: int, node: int, time: float, what: str) -> RankFailure:
+    """Another node's launcher ended its ranks (interrupted, timed out)."""
+    return RankFailure(first_rank, "node", time, message=what, node=node)
+
+
+MAX_RECORD_TRACEBACK = 65536
+
+
+def to_record(failure: RankFailure) -> str:
+    """A failure as JSON, to tell other nodes (the exception object stays here)."""
+    record = {k: v for k, v in dataclasses.asdict(dataclasses.replace(failure, exception=None)).items()
+              if k != "exception"}
+    record["remote_traceback"] = record["remote_traceback"][-MAX_RECORD_TRACEBACK:]
+    return json.dumps(record)
+
+
+def from_record(text: Any) -> RankFailure:
+    record = json.loads(text)
+    record["last_lines"] = tuple(record.get("last_lines") or ())
+    return RankFailure(**record)
 
 
 # Transport errors a rank sees when a *peer* went away first. Matched on the

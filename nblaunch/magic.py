@@ -30,7 +30,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import namespace, session
 from .errors import LaunchError
 from .frames import register_cell
-from .launcher import choose_start_method, notebook_launcher
+from .launcher import notebook_launcher
+from .plan import choose_start_method
 
 __all__ = ["NBLaunchMagics", "load_ipython_extension"]
 
@@ -38,18 +39,18 @@ _counter = itertools.count(1)
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
 
 
-def run_cell_body(source: str, filename: str, names: dict):
+def run_cell(source: str, filename: str, names: dict):
     """In a rank: execute ``source`` with ``names`` as globals; return the
-    value of its last expression (None if it ends with a statement)."""
+    value of its last expression (None if it ends with a statement). In a
+    live rank, in the rank's own namespace, where the names the cell binds
+    stay for the next cell."""
+    from .worker import current_spec
+
+    if current_spec() is not None and current_spec().live:
+        ns = namespace.current()
+        ns.bring(names)
+        return _exec_cell(source, filename, ns.names)
     return _exec_cell(source, filename, dict(names))
-
-
-def run_cell_live(source: str, filename: str, names: dict):
-    """In a live rank: the same, in the rank's own namespace, where the
-    names the cell binds stay for the next cell."""
-    ns = namespace.current()
-    ns.bring(names)
-    return _exec_cell(source, filename, ns.names)
 
 
 def _exec_cell(source: str, filename: str, scope: dict):
@@ -100,7 +101,7 @@ class NBLaunchMagics(Magics):
         live = session.active()
         if live is not None and opts.num_processes in (None, live.num_processes):
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
-            return live.run(run_cell_live, cell, filename, names, timeout=opts.timeout,
+            return live.run(run_cell, cell, filename, names, timeout=opts.timeout,
                             display=None if opts.display == "auto" else opts.display)
         method, _ = choose_start_method(opts.start_method)
         if method == "fork":
@@ -108,7 +109,7 @@ class NBLaunchMagics(Magics):
         else:
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
         return notebook_launcher(
-            run_cell_body, args=(cell, filename, names), num_processes=opts.num_processes or 2,
+            run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,
             start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
             display=opts.display)
 

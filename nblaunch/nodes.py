@@ -4,7 +4,7 @@ torch.distributed's elastic rendezvous (the engine torchrun uses).
 A group object is made in the kernel and asked, once per attempt and only
 after the node's ranks are forked, to ``join``: it returns a
 :class:`Placement` (this node's rank, the world, the address of the ranks'
-store). While the ranks run, the supervisor ``publish``-es this node's first
+store). While the ranks run, the call watch ``publish``-es this node's first
 failure and ``poll``-s for another node's, so a failure anywhere stops every
 node within a poll period instead of a collective's 30-minute timeout.
 
@@ -16,7 +16,6 @@ until every node's ranks are done, as torchrun's exit barrier does).
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import re
@@ -24,9 +23,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
-from .errors import LaunchError, RankFailure
+from .errors import LaunchError, RankFailure, from_record, to_record
 
 __all__ = ["Placement", "SingleNode", "NodeGroup", "host_store", "route_address"]
 
@@ -88,6 +87,27 @@ def route_address(host: str, port: int) -> str:
         return sock.getsockname()[0]
 
 
+class Nodes(Protocol):
+    """What a rank pool asks of the nodes its ranks belong to."""
+
+    num_nodes: int
+
+    def join(self, attempt: int) -> Placement:
+        """Once this node's ranks are started: where they sit in the job."""
+
+    def publish(self, failure: RankFailure) -> None:
+        """Tell every other node about this node's first failure."""
+
+    def poll(self, force: bool = False) -> Optional[RankFailure]:
+        """Another node's failure, if one was published."""
+
+    def finish(self, succeeded: bool) -> Optional[RankFailure]:
+        """This node's ranks are done: the exit barrier (on success)."""
+
+    def close(self) -> None:
+        """Leave; safe to call twice."""
+
+
 class SingleNode:
     """One machine: the kernel hosts the ranks' store, nothing to coordinate."""
 
@@ -106,7 +126,7 @@ class SingleNode:
     def publish(self, failure: RankFailure) -> None:
         pass
 
-    def poll(self) -> Optional[RankFailure]:
+    def poll(self, force: bool = False) -> Optional[RankFailure]:
         return None
 
     def finish(self, succeeded: bool) -> Optional[RankFailure]:
@@ -244,12 +264,9 @@ class NodeGroup:
         if self._published or self._store is None or self._lost:
             return
         self._published = True
-        record = {k: v for k, v in dataclasses.asdict(dataclasses.replace(failure, exception=None)).items()
-                  if k != "exception"}
-        record["remote_traceback"] = record["remote_traceback"][-65536:]
         try:
             with self._lock:
-                self._store.compare_set(self._prefix + "failure", "", json.dumps(record))
+                self._store.compare_set(self._prefix + "failure", "", to_record(failure))
         except Exception:
             self._lost = True
 
@@ -264,12 +281,11 @@ class NodeGroup:
             with self._lock:
                 if not self._store.check([key]):
                     return None
-                record = json.loads(self._store.get(key))
+                record = self._store.get(key)
         except Exception:
             self._lost = True
             return None
-        record["last_lines"] = tuple(record.get("last_lines") or ())
-        return RankFailure(**record)
+        return from_record(record)
 
     def finish(self, succeeded: bool) -> Optional[RankFailure]:
         """After this node's ranks ended. On success, wait until every node's

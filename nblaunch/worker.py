@@ -35,7 +35,6 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PARENT_POLL_S = 0.2
 _LINGER_AFTER_FAILURE_S = 2.0
-_RELEASE_TIMEOUT_S = 600.0
 
 _current: Optional["WorkerSpec"] = None
 
@@ -66,6 +65,7 @@ class WorkerSpec:
     environ: Optional[dict] = None
     logging_setup: tuple = ()
     live: bool = False  # a live session's rank: serves calls until told to close
+    forked: bool = False  # started by fork: it inherited the kernel's memory (and the job)
     interrupt_file: str = ""  # a live rank: which call the kernel's SIGINT is for
 
 
@@ -76,91 +76,59 @@ def current_spec() -> Optional[WorkerSpec]:
 
 def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                output: Connection) -> None:
-    """Entry point of a rank process. ``job`` is ``(fn, args, kwargs)``, or a
-    ``payload.PackedJob`` of them when the rank was not forked. ``go``
-    delivers the rank's place in the job (global rank, world size, where the
-    ranks' store is) once every rank has been started and the nodes have met.
-    Events name the rank by its local rank: the kernel knows the rest."""
+    """Entry point of a rank process. ``go`` delivers the rank's place in the
+    job (global rank, world size, where the ranks' store is) once every rank
+    has been started and the nodes have met. Then the rank serves calls
+    (:func:`_serve`): a launch's rank exactly one, ``job`` (``(fn, args,
+    kwargs)``, or a ``payload.PackedJob`` of them when the rank was not
+    forked); a live rank (``spec.live``, ``job`` None) those the kernel sends
+    until it says ``CLOSE``, after reporting its set-up as call 0. Events
+    name the rank by its local rank: the kernel knows the rest."""
     global _current
     _default_stop_signals()
     parent = os.getppid()
     _watch_parent(spec.kernel_pid, parent)
     old_streams = _capture_output(output)
     rank_env.become_rank(spec.environ if spec.environ is not None else rank_env.rank_environ(),
-                         old_streams, spec.logging_setup, forked=_forked(job))
+                         old_streams, spec.logging_setup, forked=spec.forked)
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)
     local = spec.local_rank
     progress._start(sender, local)
-    phase = "setup"
     made_group = False
     try:
         os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
-        spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE
+        spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE and calls
         _current = spec
         os.environ.update(_torchrun_env(spec))
         os.environ.update(spec.env)
         sender.send(Started(local, os.getpid(), time.time()))
         made_group = _setup_torch(spec)
         if spec.live:
-            phase = "ready"
             sender.send(Result(local, pickle.dumps(None), call=0, seq=_group_seq()))
-            _serve(sender, go, local, spec.interrupt_file)
-            phase = "close"
-            if made_group:
-                _destroy_group()
-            _leave(0)
-        phase = "load"
-        fn, args, kwargs = _load(job)
-        phase = "fn"
-        exited = False
-        try:
-            value = fn(*args, **kwargs)
-        except SystemExit as exc:  # sys.exit(0) in a rank is an ordinary return
-            if exc.code not in (None, 0):
-                raise
-            value, exited = None, True
-        ended = time.time()
-        phase = "result"
-        payload, shared = _dump_result(spec.rank, value)
-        _check_size(spec.rank, value, len(payload) + shared)
-        progress._finish()
-        sender.send(Result(local, payload, shared, time=ended, exited=exited))
-        if shared:
-            # The kernel fetches the shared memory from this process while
-            # it unpickles; it says when it is done (or dies, and so do we).
-            go.poll(_RELEASE_TIMEOUT_S)
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
-        try:
-            progress._finish()
-        except Exception:
-            pass
-        _report(sender, local, phase, exc)
-        # Stay up until the kernel stops every rank: exiting now would close
-        # our sockets and hand the peers a "Connection closed by peer" error
-        # of their own before the kernel has stopped them.
-        time.sleep(_LINGER_AFTER_FAILURE_S)
-        _leave(1)
+        _report(sender, local, "setup", exc)
+        _linger_and_leave()
+    calls = _calls_from(go) if spec.live else iter([Call(0, job)])
+    if not _serve(spec, sender, go, calls) and not spec.live:
+        _linger_and_leave()
     if made_group:
         _destroy_group()
     _leave(0)
 
 
-def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str) -> None:
-    """A live rank: run each :class:`Call` from the kernel in this rank's
-    namespace (:mod:`nblaunch.namespace`) until ``CLOSE``, reporting each
-    call's end. An exception ends the call, not the rank. The kernel
-    interrupts a call (its interrupt button, or another rank's failure) by
-    writing the call's number to ``interrupt_file`` and sending SIGINT: a
-    ``KeyboardInterrupt`` in the call's function, raised as the function
-    starts if the call was still loading. A SIGINT for a call that has ended
-    is ignored, so it never lands in the next call or in a report."""
-    from . import namespace
+def _linger_and_leave() -> None:
+    """After a failure that ends the rank: stay up until the kernel stops
+    every rank. Exiting now would close our sockets and hand the peers a
+    "Connection closed by peer" error of their own before the kernel has
+    stopped them."""
+    time.sleep(_LINGER_AFTER_FAILURE_S)
+    _leave(1)
 
-    ns = namespace.current()
-    interrupt = _CallInterrupt(interrupt_file)
-    signal.signal(signal.SIGINT, interrupt.handler)
+
+def _calls_from(go: Connection):
+    """A live rank's calls, as the kernel sends them, until ``CLOSE``."""
     while True:
         try:
             msg = go.recv()
@@ -170,11 +138,33 @@ def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str)
             continue
         if msg == CLOSE or not isinstance(msg, Call):
             return
-        interrupt.begin(msg.id)
-        progress._new_call(msg.id)
+        yield msg
+
+
+def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool:
+    """Run each call, report its end (``Result`` or ``Failure``), and return
+    whether the last one succeeded. A live rank runs it in its own namespace
+    (:mod:`nblaunch.namespace`), where an exception ends the call, not the
+    rank. The kernel interrupts a live call (its interrupt button, or another
+    rank's failure) by writing the call's number to ``interrupt_file`` and
+    sending SIGINT: a ``KeyboardInterrupt`` in the call's function, raised as
+    the function starts if the call was still loading. A SIGINT for a call
+    that has ended is ignored, so it never lands in the next call or in a
+    report."""
+    from . import namespace
+
+    ns = namespace.current() if spec.live else None
+    interrupt = _CallInterrupt(spec.interrupt_file)
+    if spec.interrupt_file:
+        signal.signal(signal.SIGINT, interrupt.handler)
+    ok = True
+    for call in calls:
+        interrupt.begin(call.id)
+        progress._new_call(call.id)
+        _call_timeout(spec, call.timeout)
         phase = "load"
         try:
-            fn, args, kwargs = ns.load(msg.job)
+            fn, args, kwargs = ns.load(call.job) if ns is not None else _load(spec, call.job)
             phase = "fn"
             exited = False
             try:
@@ -182,7 +172,7 @@ def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str)
                 if interrupt.pending or interrupt.asked():  # it came while the call was loading
                     raise KeyboardInterrupt
                 value = fn(*args, **kwargs)
-            except SystemExit as exc:
+            except SystemExit as exc:  # sys.exit(0) in a rank is an ordinary return
                 if exc.code not in (None, 0):
                     raise
                 value, exited = None, True
@@ -190,25 +180,58 @@ def _serve(sender: EventSender, go: Connection, local: int, interrupt_file: str)
                 interrupt.running = False
             ended = time.time()
             interrupt.end()
-            ns.forget()
+            if ns is not None:
+                ns.forget()
             phase = "result"
-            payload, shared = _dump_result(_current.rank, value)
-            _check_size(_current.rank, value, len(payload) + shared)
+            payload, shared = _dump_result(spec.rank, value)
+            _check_size(spec.rank, value, len(payload) + shared)
             progress._finish()
-            sender.send(Result(local, payload, shared, call=msg.id, seq=_group_seq(), time=ended, exited=exited))
+            sender.send(Result(spec.local_rank, payload, shared, call=call.id, seq=_group_seq(), time=ended,
+                               exited=exited))
             del value
             if shared:  # keep the storages alive until the kernel has them
-                while go.recv() != RELEASE:
-                    pass
-        except BaseException as exc:  # noqa: BLE001 - the call failed, the rank lives on
+                _await_release(go)
+            ok = True
+        except BaseException as exc:  # noqa: BLE001 - every failure must be reported
             interrupt.end()
-            ns.forget()
+            if ns is not None:
+                ns.forget()
             try:
                 progress._finish()
             except Exception:
                 pass
-            _report(sender, local, phase, exc, call=msg.id, seq=_group_seq())
+            _report(sender, spec.local_rank, phase, exc, call=call.id, seq=_group_seq())
             del exc
+            ok = False
+    return ok
+
+
+def _await_release(go: Connection) -> None:
+    """Until the kernel has fetched this result's shared memory (or died, and so do we)."""
+    try:
+        while go.recv() != RELEASE:
+            pass
+    except (EOFError, OSError):
+        pass
+
+
+def _call_timeout(spec: WorkerSpec, timeout: Optional[float]) -> None:
+    """A live call's collectives give up a little after the call's own
+    timeout (as a launch's do), so the kernel's timeout, with every rank's
+    stack, comes first; without one, torch's default. Through a private
+    torch call (``_set_pg_timeout``, torch >= 2.3): there is no public one,
+    and a process group's timeout is otherwise fixed when it is made."""
+    if not spec.live or spec.backend is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        from .plan import pg_timeout_for
+
+        if dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=pg_timeout_for(timeout)))
+    except Exception:  # an older torch: the group keeps the timeout it was made with
+        pass
 
 
 class _CallInterrupt:
@@ -415,11 +438,6 @@ def _watch_parent(kernel_pid: int, parent: int) -> None:
     threading.Thread(target=poll, name="nblaunch-parent-watch", daemon=True).start()
 
 
-def _forked(job: Any) -> bool:
-    """A forked rank inherits the job as objects; other ranks get it packed."""
-    return isinstance(job, tuple)
-
-
 def _capture_output(output: Connection) -> tuple:
     """Point fds 1 and 2 at the kernel's output pipe for this rank, and give
     Python line-buffered streams on them (the kernel's own streams, inherited
@@ -530,8 +548,9 @@ def _wait_for_peers_joined(spec: WorkerSpec) -> None:
         delay = min(2 * delay, 0.05)
 
 
-def _load(job: Any) -> tuple:
-    return job if _forked(job) else job.load()
+def _load(spec: WorkerSpec, job: Any) -> tuple:
+    """A forked rank inherits the job as objects; other ranks get it packed."""
+    return job if spec.forked else job.load()
 
 
 def _dump_result(rank: int, value: Any) -> tuple[bytes, int]:

@@ -153,7 +153,7 @@ def test_rank_tracebacks_name_the_cell_and_leave_out_the_magic(leavers):
         count = _number(reply)
         shown = _traceback(reply)
         assert f"Cell In[{count}], line 3" in shown, shown  # the cell's own line 3 (the body's line 2)
-        assert "magic.py" not in shown and "_exec_cell" not in shown and "run_cell_live" not in shown, shown
+        assert "magic.py" not in shown and "_exec_cell" not in shown and "run_cell" not in shown, shown
     finally:
         leavers.execute("%nblaunch stop")
 

@@ -6,7 +6,7 @@ import io
 
 from nblaunch import ansi
 from nblaunch.channel import Progress
-from nblaunch.display import LaunchState, TextDisplay, clip
+from nblaunch.view import LaunchState, TextDisplay, clip
 
 
 def test_sgr_colours_become_spans_and_other_escapes_vanish():
@@ -72,7 +72,7 @@ def test_text_mode_writes_plain_text_to_a_file_and_shortens_giant_lines():
 
 
 def test_a_loss_over_several_decades_is_drawn_on_a_log_axis_with_values():
-    from nblaunch.display import _svg_chart
+    from nblaunch.view.html import _svg_chart
 
     falling = {0: [(i, 5.0 * 10 ** (-i / 10)) for i in range(60)]}  # 5 down to ~6e-6
     svg = _svg_chart("loss", falling)
@@ -87,7 +87,7 @@ def test_a_loss_over_several_decades_is_drawn_on_a_log_axis_with_values():
 def test_the_view_colours_read_on_light_and_dark_backgrounds():
     """Rank colours (tags, chart lines, legend) and state colours (header,
     bars): WCAG contrast >= 3 on white and on JupyterLab Dark's #111111."""
-    from nblaunch import display
+    from nblaunch.view import html as display
 
     def luminance(hex_colour: str) -> float:
         channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]

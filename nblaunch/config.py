@@ -1,0 +1,181 @@
+"""What a launch or a live session is asked to do, checked once, before any process starts.
+
+:class:`LaunchConfig` holds every setting of ``notebook_launcher`` and
+``nblaunch.start`` and refuses a bad one with a clear error when it is made;
+it then travels whole (to the plan, the session, the rank pool). What comes
+with each call (``fn``, its arguments, the call's own ``timeout`` and
+``display``) is checked by :func:`check_call` and :func:`check_call_options`.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import socket
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Callable, Optional
+
+__all__ = ["LaunchConfig", "check_call", "check_call_options"]
+
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
+DISPLAYS = ("auto", "widget", "text", "none")
+RDZV_BACKENDS = ("c10d", "static")
+MAX_PROCESSES = 256
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The settings of one launch or live session (see ``notebook_launcher``
+    for what each means). Made once; raises ``TypeError``/``ValueError`` on a
+    bad setting. ``addr`` (this node's address for the ranks' store) and
+    ``endpoint`` (the rendezvous ``(host, port)``, None on one machine) are
+    worked out from the others."""
+
+    num_processes: int
+    start_method: str = "auto"
+    backend: str = "auto"
+    init_process_group: bool = True
+    master_addr: Optional[str] = None
+    threads_per_rank: Optional[int] = None
+    timeout: Optional[float] = None
+    display: str = "auto"
+    stall_warning: Optional[float] = 60.0
+    num_nodes: int = 1
+    node_rank: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str = "nblaunch"
+    rdzv_timeout: float = 300.0
+    max_restarts: int = 0
+    addr: str = field(init=False)
+    endpoint: Optional[tuple] = field(init=False)
+
+    def __post_init__(self):
+        _check_ranks(self)
+        check_call_options(self.timeout, self.display)
+        endpoint = _check_nodes(self)
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
+        _check_settings(self.addr)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.num_nodes > 1
+
+
+def check_call(fn: Callable, args: Any, kwargs: Any) -> tuple[list, dict]:
+    """``fn`` and its arguments: what a rank can run. Returns them as a list and a dict."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r:.80}")
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None)):
+        raise TypeError("fn is an async function; notebook_launcher runs plain functions. "
+                        "Wrap it: notebook_launcher(lambda: asyncio.run(fn()), ...)")
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError("fn is a generator function; its generator cannot be returned from a rank. "
+                        "Return a list or a value instead.")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict with str keys, got {type(kwargs).__name__}")
+    return list(args), dict(kwargs)
+
+
+def check_call_options(timeout: Optional[float], display: str) -> None:
+    """A call's ``timeout`` (seconds or None) and ``display``."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)
+                                or not timeout > 0 or timeout != timeout or timeout == float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if display not in DISPLAYS:
+        raise ValueError(f"display must be one of {DISPLAYS}, got {display!r}")
+
+
+def _check_ranks(c: LaunchConfig) -> None:
+    n = c.num_processes
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"num_processes must be an int, got {type(n).__name__}: {n!r}")
+    if not 1 <= n <= MAX_PROCESSES:
+        raise ValueError(f"num_processes must be between 1 and {MAX_PROCESSES}, got {n}")
+    if c.start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {c.start_method!r}")
+    if not isinstance(c.backend, str) or not (c.backend in BACKENDS or ":" in c.backend):
+        raise ValueError(f"backend must be one of {BACKENDS} or a 'cpu:gloo,cuda:nccl' style "
+                         f"string, got {c.backend!r}")
+    if not isinstance(c.init_process_group, bool):
+        raise TypeError(f"init_process_group must be True or False, got {c.init_process_group!r}")
+    if c.master_addr is not None and (not isinstance(c.master_addr, str) or not c.master_addr):
+        raise TypeError(f"master_addr must be a host name or address string, got {c.master_addr!r}")
+    t = c.threads_per_rank
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+        raise ValueError(f"threads_per_rank must be a positive int or None, got {t!r}")
+    s = c.stall_warning
+    if s is not None and (isinstance(s, bool) or not isinstance(s, Real) or not s > 0):
+        raise ValueError(f"stall_warning must be a positive number of seconds or None, got {s!r}")
+
+
+def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
+    """The multi-node settings; returns the endpoint as ``(host, port)``."""
+    num_nodes, node_rank = c.num_nodes, c.node_rank
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+    if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {c.max_restarts!r}")
+    if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                  or not 0 <= node_rank < num_nodes):
+        raise ValueError(f"node_rank must be an int in [0, num_nodes={num_nodes}), got {node_rank!r}")
+    if num_nodes == 1:
+        if c.rdzv_endpoint is not None:
+            raise ValueError("rdzv_endpoint is for a launch across machines: give num_nodes > 1 too")
+        return None
+    if c.rdzv_backend not in RDZV_BACKENDS:
+        raise ValueError(f"rdzv_backend must be one of {RDZV_BACKENDS}, got {c.rdzv_backend!r}")
+    if c.rdzv_backend == "static" and node_rank is None:
+        raise ValueError("rdzv_backend='static' needs node_rank (0 on the machine at rdzv_endpoint)")
+    if not isinstance(c.rdzv_id, str) or not c.rdzv_id:
+        raise ValueError(f"rdzv_id must be a non-empty string, got {c.rdzv_id!r}")
+    t = c.rdzv_timeout
+    if isinstance(t, bool) or not isinstance(t, Real) or not 0 < t < 1e7:
+        raise ValueError(f"rdzv_timeout must be a positive number of seconds, got {t!r}")
+    endpoint = c.rdzv_endpoint
+    if not isinstance(endpoint, str) or not endpoint:
+        raise ValueError(f"num_nodes={num_nodes} needs rdzv_endpoint='host:port', an address every "
+                         "node can reach (the first node's machine, for instance)")
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rdzv_endpoint must be 'host:port', got {endpoint!r}")
+    return host, int(port)
+
+
+def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]]) -> str:
+    from .nodes import route_address
+
+    if master_addr is not None:
+        return master_addr
+    if endpoint is None:
+        return "127.0.0.1"
+    try:
+        return route_address(*endpoint)
+    except OSError as exc:
+        raise ValueError(f"rdzv_endpoint {endpoint[0]}:{endpoint[1]} cannot be reached from this "
+                         f"machine ({exc}); give a host name or address every node can reach") from None
+
+
+def _check_settings(addr: str) -> None:
+    """What would otherwise fail only inside the ranks, after fn ran."""
+    from .worker import max_result_bytes
+
+    try:
+        max_result_bytes()
+    except ValueError:
+        raise ValueError("NBLAUNCH_MAX_RESULT_BYTES must be a whole number of bytes, got "
+                         f"{os.environ.get('NBLAUNCH_MAX_RESULT_BYTES')!r}") from None
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"master_addr {addr!r} is not an address or host name this machine can "
+                         f"resolve ({exc})") from None

@@ -1,0 +1,158 @@
+"""How this node's ranks will be made: start method, backend, threads, and
+the part of each rank's spec that every rank shares. Decided once per launch
+or live session, from its :class:`~nblaunch.config.LaunchConfig`."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import rank_env
+from .config import LaunchConfig
+
+__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads"]
+
+DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
+MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
+
+
+@dataclass
+class RankPlan:
+    method: str
+    notice: Optional[str]  # why auto did not fork
+    backend: Optional[str]  # None: no process group
+    ctx: Any
+    pg_timeout: float
+    specs_base: dict  # WorkerSpec fields shared by every rank
+
+    @property
+    def forked(self) -> bool:
+        return self.method == "fork"
+
+
+def pg_timeout_for(timeout: Optional[float]) -> float:
+    """Collectives give up a little after a launch (or call) would: its
+    timeout then fires first and shows where every rank is, instead of
+    gloo's error."""
+    if timeout is None:
+        return DEFAULT_PG_TIMEOUT_S
+    return min(float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
+
+
+def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
+    """Start method, backend, threads and the ranks' common spec."""
+    n = config.num_processes
+    method, reason = choose_start_method(config.start_method)
+    backend = _resolve_backend(config.backend, n) if config.init_process_group else None
+    threads = config.threads_per_rank or default_threads(n)
+    if method == "forkserver":
+        _preload_forkserver()
+    # Live ranks set their group's timeout per call (worker._call_timeout).
+    pg_timeout = pg_timeout_for(None if live else config.timeout)
+    specs_base = dict(
+        world_size=n, local_world_size=n, master_addr=config.addr, kernel_pid=os.getpid(), backend=backend,
+        threads=threads, pg_timeout_s=pg_timeout, env={**_interface_env(config.addr), **_accelerate_env()},
+        max_restarts=config.max_restarts, run_id=config.rdzv_id if config.multi_node else "none",
+        environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging(), live=live,
+        forked=method == "fork")
+    return RankPlan(method, reason, backend, multiprocessing.get_context(method), pg_timeout, specs_base)
+
+
+def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:
+    """Return ``(method, notice)``; ``notice`` says why auto did not fork.
+
+    Fork is chosen only on Linux with CUDA not initialised in this process
+    (checked without initialising it). A forked rank is started from a fresh
+    thread, which keeps it safe from the kernel's OpenMP state.
+    """
+    available = multiprocessing.get_all_start_methods()
+    cuda_busy = _cuda_initialized()
+    if requested == "fork":
+        if "fork" not in available:
+            raise ValueError(f"start_method='fork' is not available on {sys.platform}; "
+                             "use 'auto' or 'spawn'")
+        if cuda_busy:
+            raise ValueError(
+                "start_method='fork' cannot be used: CUDA is initialised in this kernel and a "
+                "forked rank cannot use it. Use start_method='auto' (or 'forkserver'), or restart "
+                "the kernel and launch before anything touches the GPU.")
+        return "fork", None
+    if requested in ("forkserver", "spawn"):
+        if requested not in available:
+            raise ValueError(f"start_method={requested!r} is not available on {sys.platform}; "
+                             f"available: {available}")
+        return requested, None
+    fallback = "forkserver" if "forkserver" in available else "spawn"
+    if not sys.platform.startswith("linux"):
+        return "spawn", None  # the platform default on macOS and Windows
+    if cuda_busy:
+        return fallback, f"CUDA is initialised in this kernel; starting ranks with {fallback}"
+    return "fork", None
+
+
+def default_threads(num_processes: int) -> int:
+    """Intra-op threads for each rank: the CPUs this process may use split
+    evenly, at least 1, never more than the kernel's own setting."""
+    import torch
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cpus // num_processes))
+
+
+def _preload_forkserver() -> None:
+    """Have the forkserver (started once per kernel, from a fresh interpreter
+    that never touched CUDA or OpenMP) import torch, so the second and later
+    launches do not pay ``import torch`` per rank. Only takes effect if this
+    kernel's forkserver is not running yet."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _resolve_backend(backend: str, num_processes: int) -> str:
+    import torch
+
+    gpus = torch.cuda.device_count()  # NVML count: does not initialise CUDA
+    if backend == "auto":
+        return "nccl" if gpus >= num_processes and torch.distributed.is_nccl_available() else "gloo"
+    if backend == "nccl" and gpus < num_processes:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {num_processes} ranks, "
+                         f"{gpus} GPU(s) visible. Use backend='gloo' or 'auto'.")
+    return backend
+
+
+def _interface_env(addr: str) -> dict:
+    """Make gloo/NCCL bind the interface that holds this node's address
+    (loopback for a single-node launch); they otherwise bind whatever the
+    host name resolves to, which need not be the network the others share."""
+    import psutil
+
+    loopback = addr.startswith("127.") or addr in ("localhost", "::1")
+    names = [name for name, addrs in psutil.net_if_addrs().items()
+             if any(a.address.startswith("127.") if loopback else a.address == addr for a in addrs)]
+    if not names:
+        return {}
+    return {var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+            if var not in os.environ}
+
+
+def _accelerate_env() -> dict:
+    """On a machine without GPUs, tell accelerate its ranks are CPU ranks, as
+    its own launchers do (``accelerate launch --cpu``, its notebook_launcher).
+    Without it, ``Accelerator()`` in a CPU rank finds no accelerator backend
+    and sets itself up as one process (DistributedType.NO) in every rank,
+    each believing it is the main process."""
+    import torch
+
+    if "ACCELERATE_USE_CPU" in os.environ or torch.cuda.device_count() > 0:
+        return {}
+    return {"ACCELERATE_USE_CPU": "yes"}

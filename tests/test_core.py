@@ -1,0 +1,348 @@
+"""The core's rules without a process: a fake rank pool feeds a real
+:class:`~nblaunch.watch.CallWatch` scripted events, and the tests check what
+the user would see (the error, its root cause, the ranks stopped or kept).
+Each runs in milliseconds; the same rules are checked with real ranks in
+test_failures.py, test_session.py and test_real_code_traps.py."""
+from __future__ import annotations
+
+import pickle
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from nblaunch import watch as watch_mod
+from nblaunch.channel import Failure, Progress, Result, Started, Stopping
+from nblaunch.view import TextDisplay
+from nblaunch.errors import LaunchTimeout, WorkerError
+from nblaunch.nodes import Placement
+from nblaunch.pool import Exited, Lines, Message, RankPool
+from nblaunch.watch import CallWatch, Stalls
+
+PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+
+
+class FakePool(RankPool):
+    """``script``: one list of pool events per poll (then nothing). A rank
+    that is signalled SIGTERM/SIGKILL exits with that signal at the next
+    poll, unless it is ``deaf`` to SIGTERM; an interrupted live rank answers
+    with the given event (``answers``), or never."""
+
+    def __init__(self, size: int, script=(), answers: Optional[dict] = None, deaf=(), waits_in=None,
+                 keyboard_interrupt_at: Optional[int] = None):
+        self.size = size
+        self.log_dir = Path("/tmp/nblaunch-fake")
+        self.placement = None
+        self._script = [list(batch) for batch in script]
+        self._exited: set[int] = set()  # as the watch has been told
+        self._dying: set[int] = set()  # signalled: its exit comes at the next poll
+        self._queued: list = []
+        self.signals: list[tuple[int, int]] = []
+        self.interrupts: list[tuple[int, str]] = []
+        self._answers = answers or {}
+        self._deaf = set(deaf)
+        self._waits_in = waits_in or {}
+        self._kbi_at = keyboard_interrupt_at
+        self.polls = 0
+        self.stopped = False
+        self.sent: list = []
+
+    def start(self, tick=lambda: None) -> Placement:
+        self.placement = Placement(0, 1, self.size, "127.0.0.1", 1)
+        return self.placement
+
+    def poll(self, timeout: float) -> list:
+        self.polls += 1
+        if self._kbi_at is not None and self.polls == self._kbi_at:
+            raise KeyboardInterrupt
+        out, self._queued = self._queued, []
+        if self._script:
+            out += self._script.pop(0)
+        for item in out:
+            if isinstance(item, Exited):
+                self._exited.add(item.rank)
+        if not out:
+            time.sleep(min(timeout, 0.002))
+        return out
+
+    def send(self, rank: int, message) -> bool:
+        self.sent.append((rank, message))
+        return rank not in self._exited
+
+    def signal(self, sig: int, ranks: list[int]) -> None:
+        for rank in ranks:
+            if rank in self._exited or rank in self._dying:
+                continue
+            self.signals.append((rank, sig))
+            if sig == signal.SIGKILL or rank not in self._deaf:
+                self._dying.add(rank)
+                self._queued.append(Exited(rank, -sig))
+
+    def interrupt(self, rank: int, how: str) -> None:
+        self.interrupts.append((rank, how))
+        if rank in self._answers:
+            self._queued.append(Message(rank, self._answers[rank]))
+
+    def stacks(self, ranks=None) -> str:
+        return "  rank 0: in fake_loop (cell.py:3)\n  rank 1: in fake_loop (cell.py:3)"
+
+    def collectives(self, ranks):
+        return {r: self._waits_in.get(r) for r in ranks}
+
+    def stop(self, grace: float, order=None) -> None:
+        self.stopped = True
+        self.signal(signal.SIGTERM, order or list(range(self.size)))
+        self.signal(signal.SIGKILL, order or list(range(self.size)))
+
+    def wait(self, timeout: float) -> bool:
+        return True
+
+    def drain(self) -> list:
+        return []
+
+    def kill_orphans(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def global_rank(self, rank: int) -> int:
+        return rank
+
+    def node(self, rank: int):
+        return None
+
+    def exited(self, rank: int) -> bool:
+        return rank in self._exited
+
+    def ended(self, rank: int) -> bool:
+        return rank in self._exited or rank in self._dying
+
+    def alive(self, rank: int) -> bool:
+        return rank not in self._exited
+
+    def started(self, rank: int) -> bool:
+        return True
+
+    def running_pids(self) -> dict:
+        return {}
+
+    def tail(self, rank: int) -> tuple:
+        return (f"last words of rank {rank}",)
+
+
+def started(rank):
+    return Message(rank, Started(rank, 1000 + rank, time.time()))
+
+
+def result(rank, value, call=0, seq=-1):
+    return Message(rank, Result(rank, pickle.dumps(value), call=call, seq=seq, time=time.time()))
+
+
+def failure(rank, exc_type, message, call=0, when=None, seq=-1):
+    tb = f'Traceback (most recent call last):\n  File "cell.py", line 3, in train\n{exc_type}: {message}\n'
+    return Message(rank, Failure(rank, when or time.time(), exc_type, message, tb, None, "fn", call, seq))
+
+
+def quiet_view(size=2):
+    import io
+
+    view = TextDisplay(stream=io.StringIO())
+    view.begin(size, "fork", "gloo", "/tmp/nblaunch-fake")
+    return view
+
+
+def launch(pool, **kw):
+    watch = CallWatch(pool, quiet_view(pool.size), 0, keep_ranks=False, **kw)
+    return watch, watch.run(pool.start)
+
+
+# -- a launch ----------------------------------------------------------------------------
+
+def test_results_come_back_in_rank_order():
+    pool = FakePool(2, [[started(0), started(1)], [result(1, "b"), result(0, "a")], [Exited(0, 0), Exited(1, 0)]])
+    _, results = launch(pool)
+    assert results == ["a", "b"]
+    assert pool.signals == []
+
+
+def test_the_cause_is_named_even_when_its_consequence_arrives_first():
+    t = time.time()
+    pool = FakePool(2, [[started(0), started(1)],
+                        [failure(1, *PEER_LOST, when=t + 0.01)],  # the peer's error comes in first ...
+                        [Exited(0, -signal.SIGSEGV)]])           # ... its cause a poll later
+    with pytest.raises(WorkerError) as info:
+        launch(pool)
+    err = info.value
+    assert err.rank == 0 and err.root.kind == "signal" and "SIGSEGV" in str(err).splitlines()[0]
+    assert "last words of rank 0" in str(err)
+    assert [f.rank for f in err.failures] == [0, 1]
+
+
+def test_a_failure_stops_the_others_and_they_are_not_blamed():
+    pool = FakePool(3, [[started(0), started(1), started(2)], [failure(2, "ValueError", "bad batch")]])
+    with pytest.raises(WorkerError) as info:
+        launch(pool)
+    err = info.value
+    assert err.rank == 2 and "ValueError: bad batch" in str(err)
+    assert {f.kind for f in err.failures[1:]} == {"stopped"}
+    assert (0, signal.SIGTERM) in pool.signals and (1, signal.SIGTERM) in pool.signals
+    # healthy ranks are stopped before the failed one, whose sockets would otherwise close under them
+    assert [r for r, s in pool.signals if s == signal.SIGTERM][-1] == 2
+
+
+def test_a_rank_deaf_to_sigterm_gets_sigkill_after_the_grace():
+    pool = FakePool(2, [[started(0), started(1)], [failure(0, "ValueError", "x")]], deaf=[1])
+    with pytest.raises(WorkerError):
+        launch(pool)
+    assert (1, signal.SIGTERM) in pool.signals and (1, signal.SIGKILL) in pool.signals
+
+
+def test_a_launch_timeout_shows_every_rank_and_stops_them():
+    pool = FakePool(2, [[started(0), started(1)]])
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(pool, timeout=0.05)
+    assert time.monotonic() - t0 < 2
+    assert "did not finish within 0.05 s" in str(info.value) and "rank 1: in fake_loop" in str(info.value)
+    assert pool.stopped
+
+
+def test_the_stop_button_stops_a_launch_and_shows_where_ranks_were():
+    pool = FakePool(2, [[started(0), started(1)]], keyboard_interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt) as info:
+        launch(pool)
+    shown = "\n".join(info.value._render_traceback_())
+    assert "every rank was stopped" in shown and "rank 0: in fake_loop" in shown
+    assert pool.stopped
+
+
+def test_a_rank_that_returned_while_its_peer_waits_in_a_collective_is_the_failure(monkeypatch):
+    monkeypatch.setattr(watch_mod, "LEFT_GRACE_S", 0.02)
+    pool = FakePool(2, [[started(0), started(1)], [result(0, None)]], waits_in={1: "all_reduce"})
+    with pytest.raises(WorkerError) as info:
+        launch(pool)
+    err = info.value
+    assert err.rank == 0 and err.root.kind == "left"
+    assert "returned while rank 1 was in all_reduce" in str(err)
+
+
+# -- live ranks --------------------------------------------------------------------------
+
+def live_call(pool, call=1, **kw):
+    pool.start()
+    watch = CallWatch(pool, quiet_view(), call, keep_ranks=True, **kw)
+    try:
+        return watch, watch.run(lambda: None), None
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        return watch, None, exc
+
+
+def test_a_live_failure_interrupts_the_others_and_keeps_the_ranks():
+    interrupted = failure(1, "KeyboardInterrupt", "", call=1, seq=3)
+    pool = FakePool(2, [[failure(0, "ValueError", "bad", call=1, seq=3)]], answers={1: interrupted.event})
+    watch, _, exc = live_call(pool)
+    assert isinstance(exc, WorkerError) and exc.rank == 0
+    assert [f.kind for f in exc.failures] == ["exception", "interrupted"]
+    assert pool.interrupts == [(1, "1")] and pool.signals == []
+    assert watch.broken is None
+
+
+def test_a_live_rank_that_does_not_answer_the_interrupt_breaks_the_ranks(monkeypatch):
+    monkeypatch.setattr(watch_mod, "INTERRUPT_GRACE_S", 0.05)
+    pool = FakePool(2, [[failure(0, "ValueError", "bad", call=1)]])  # rank 1 never answers
+    watch, _, exc = live_call(pool)
+    assert isinstance(exc, WorkerError) and exc.rank == 0
+    assert "rank 1 did not stop within" in watch.broken
+    assert (1, signal.SIGTERM) in pool.signals
+
+
+def test_a_live_timeout_shows_the_stacks_and_keeps_ranks_that_answer():
+    answers = {r: failure(r, "KeyboardInterrupt", "", call=1, seq=2).event for r in (0, 1)}
+    pool = FakePool(2, [], answers=answers)
+    watch, _, exc = live_call(pool, timeout=0.05)
+    assert isinstance(exc, LaunchTimeout)
+    assert "call 1 did not finish within 0.05 s" in str(exc) and "rank 0: in fake_loop" in str(exc)
+    assert "keep their state" in str(exc) and watch.broken is None
+
+
+def test_a_live_timeout_in_a_collective_gives_the_ranks_up(monkeypatch):
+    monkeypatch.setattr(watch_mod, "INTERRUPT_GRACE_S", 0.05)
+    pool = FakePool(2, [])  # neither rank answers: both wait in a collective
+    watch, _, exc = live_call(pool, timeout=0.05)
+    assert isinstance(exc, LaunchTimeout) and "could not be kept" in str(exc)
+    assert watch.broken and (0, signal.SIGTERM) in pool.signals
+
+
+def test_live_ranks_out_of_step_are_given_up():
+    pool = FakePool(2, [[result(0, 1, call=1, seq=4), result(1, 1, call=1, seq=3)]])
+    watch, results, exc = live_call(pool)
+    assert exc is None and results == [1, 1]
+    assert "out of step (collectives issued: rank 0: 4, rank 1: 3)" in watch.broken
+
+
+def test_the_stop_button_on_live_ranks_waits_for_the_agreed_step():
+    answers = {r: Stopping(r, 7, call=1) for r in (0, 1)}
+    done = [failure(r, "KeyboardInterrupt", "", call=1) for r in (0, 1)]
+    pool = FakePool(2, [[], [], [], [], [], done], answers=answers, keyboard_interrupt_at=2)
+    watch, _, exc = live_call(pool)
+    assert isinstance(exc, KeyboardInterrupt)
+    assert pool.interrupts == [(0, "1 at a step"), (1, "1 at a step")]
+    assert "keep their state" in "\n".join(exc._render_traceback_()) and watch.broken is None
+
+
+def test_events_of_another_call_are_ignored():
+    pool = FakePool(2, [[result(0, "old", call=1), result(1, "old", call=1)],
+                        [result(0, "new", call=2), result(1, "new", call=2)]])
+    _, results, exc = live_call(pool, call=2)
+    assert exc is None and results == ["new", "new"]
+
+
+def test_a_live_rank_that_dies_in_a_call_breaks_the_ranks():
+    pool = FakePool(2, [[Exited(1, -signal.SIGKILL)]],
+                    answers={0: failure(0, "KeyboardInterrupt", "", call=1).event})
+    watch, _, exc = live_call(pool)
+    assert isinstance(exc, WorkerError) and exc.rank == 1 and exc.root.kind == "signal"
+    assert "SIGKILL" in watch.broken
+
+
+# -- stalls: a rule on times ------------------------------------------------------------------
+
+def test_a_stall_is_named_once_and_only_while_others_move():
+    stalls = Stalls(after_s=10)
+    stalls.moved(0, "k", 5, 100, "train", now=0.0)
+    stalls.moved(1, "k", 5, 100, "train", now=0.0)
+    stalls.moved(0, "k", 50, 100, "train", now=12.0)
+    notices = stalls.check(now=12.5, running={0, 1})
+    assert notices == ["rank 1 has made no progress for 12 s (last at train 5/100) while ranks 0 moved on"]
+    assert stalls.check(now=13.0, running={0, 1}) == []  # once
+    assert stalls.check(now=30.0, running={0, 1}) == []  # nobody moves: not a stall of one rank
+    assert Stalls(after_s=None).check(now=99.0, running={0, 1}) == []
+
+
+def test_a_stall_warning_reaches_the_view():
+    p = [Message(0, Progress(0, 1, "epoch", n, 10, False, time.time())) for n in range(3)]
+    pool = FakePool(2, [[started(0), started(1), Message(1, Progress(1, 1, "epoch", 0, 10, False, time.time()))]]
+                    + [[item] for item in p] + [[]] * 30 + [[result(0, 0), result(1, 1)], [Exited(0, 0), Exited(1, 0)]])
+    view = quiet_view()
+    stalls_at = 0.05
+    watch = CallWatch(pool, view, 0, keep_ranks=False, stall_warning=stalls_at)
+    orig = pool.poll
+
+    def slow_poll(timeout):
+        time.sleep(0.005)
+        return orig(timeout)
+
+    pool.poll = slow_poll
+    assert watch.run(pool.start) == [0, 1]
+    assert any(n.startswith("rank 1 has made no progress") and "ranks 0 moved on" in n for n in view.state.notices)
+
+
+def test_lines_reach_the_view():
+    pool = FakePool(2, [[started(0), started(1), Lines(0, ["hello"])], [result(0, 0), result(1, 1)],
+                        [Exited(0, 0), Exited(1, 0)]])
+    view = quiet_view()
+    CallWatch(pool, view, 0, keep_ranks=False).run(pool.start)
+    assert "[rank 0] hello" in list(view.state.tail)
