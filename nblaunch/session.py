@@ -331,7 +331,12 @@ class Ranks:
 
     @property
     def restarts(self) -> int:
+        """How many times the ranks were replaced (settable: a count of your own)."""
         return self._session.restarts
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:
+        self._session.restarts = value
 
     @property
     def is_up(self) -> bool:
