@@ -495,10 +495,7 @@ class LocalPool(RankPool):
             return
         everyone = list(range(self.size)) if order is None else order
         self.signal(signal.SIGTERM, everyone)
-        deadline = time.monotonic() + grace
-        for p in self._procs:
-            if p.proc.pid is not None:
-                p.proc.join(max(0.0, deadline - time.monotonic()))
+        self.wait(grace)
         self.signal(signal.SIGKILL, everyone)
 
     def wait(self, timeout: float) -> bool:

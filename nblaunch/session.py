@@ -38,7 +38,7 @@ from .nodes import NodeGroup, SingleNode
 from .payload import CloudJob, check_sendable
 from .plan import RankPlan, plan_ranks
 from .pool import LocalPool
-from .watch import STOP_GRACE_S, CallWatch
+from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
 
@@ -253,10 +253,6 @@ def _shut(pool: LocalPool, nodes) -> None:
     nodes.close()
 
 
-def _ranks_label(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 class _Generation:
     """The session, for the finalizer (which must not hold the ``Ranks``)."""
 
@@ -358,7 +354,7 @@ class Ranks:
         plan = session.plan
         what = f"{self.num_processes} ranks ({plan.method}, {plan.backend or 'no process group'})"
         if dead:
-            return (f"down: {_ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
+            return (f"down: {ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
                     f"(their state is lost) | {what}")
         restarts = f", restarted {session.restarts}x" if session.restarts else ""
         return f"up: {what}, {session.runs} calls{restarts} | output: {pool.log_dir}"

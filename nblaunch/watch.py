@@ -322,23 +322,23 @@ class CallWatch:
         return sorted(range(self._pool.size), key=lambda r: self._parts[r].failure is not None)
 
     def _signal(self, sig: int) -> None:
-        order = self._order()
-        for r in order:
-            if self._pool.ended(r):  # a rank that died on its own: its death is its own failure
-                continue
-            if not self._parts[r].done:
-                self._parts[r].stopped = True
-            self._parts[r].signals.add(sig)
-        self._pool.signal(sig, order)
+        self._note_signals((sig,))
+        self._pool.signal(sig, self._order())
 
     def _stop_now(self) -> None:
         """Stop every rank at once (an interrupt, a timeout, an error here)."""
-        for r in self._order():
-            if not self._pool.ended(r):
-                if not self._parts[r].done:
-                    self._parts[r].stopped = True
-                self._parts[r].signals.update((signal.SIGTERM, signal.SIGKILL))
+        self._note_signals((signal.SIGTERM, signal.SIGKILL))
         self._pool.stop(STOP_GRACE_S, order=self._order())
+
+    def _note_signals(self, sigs: tuple) -> None:
+        """What a rank's death will be judged by: whether nblaunch stopped
+        it while it was still in the call, and with which signals."""
+        for r, part in enumerate(self._parts):
+            if self._pool.ended(r):  # a rank that died on its own: its death is its own failure
+                continue
+            if not part.done:
+                part.stopped = True
+            part.signals.update(sigs)
 
     def _give_up(self, what: str) -> None:
         """The call ends here and so do the ranks; other nodes are told."""
@@ -385,10 +385,10 @@ class CallWatch:
         stuck = [self._pool.global_rank(r) for r, p in enumerate(self._parts)
                  if not p.done and not self._pool.exited(r)]
         if any(p.stopping_at for p in self._parts):
-            self._break(f"{_ranks_label(stuck)} did not reach the agreed stop step within {STEP_STOP_WAIT_S:g} s "
+            self._break(f"{ranks_label(stuck)} did not reach the agreed stop step within {STEP_STOP_WAIT_S:g} s "
                         f"of being interrupted; where each rank was:\n{self._pool.stacks()}")
             return
-        self._break(f"{_ranks_label(stuck)} did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
+        self._break(f"{ranks_label(stuck)} did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
                     "(most likely blocked in a collective that another rank never joined)")
 
     def _interrupt_all(self, at_a_step: bool) -> bool:
@@ -527,5 +527,5 @@ class CallWatch:
         raise error from error.root.exception
 
 
-def _ranks_label(ranks: list[int]) -> str:
+def ranks_label(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
