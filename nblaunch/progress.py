@@ -9,9 +9,9 @@ state always gets through); metric points are kept in a bounded buffer.
 Outside a launch both still work: ``progress`` draws a plain text bar on
 stderr and ``log`` does nothing, so the same function runs in one process.
 
-Bars the rank's code already has become rows too: :func:`mirror_tqdm`
-(applied by :mod:`nblaunch.rank_env` when ``tqdm`` is imported in a rank)
-makes every console ``tqdm`` bar report like a ``progress``, and keeps its
+Bars the rank's code already has become rows too:
+:func:`nblaunch.integrations.tqdm.mirror` (applied when ``tqdm`` is imported
+in a rank) makes every console ``tqdm`` bar report like a ``progress``, and keeps its
 redraws out of the output: the row shows it live, and the bar's final line
 is printed once when it closes (as a terminal would keep it).
 """
@@ -22,12 +22,11 @@ import itertools
 import sys
 import threading
 import time
-import weakref
 from typing import Iterable, Optional
 
 from .channel import GpuMemory, Metrics, Progress, Stopping
 
-__all__ = ["progress", "log", "mirror_tqdm"]
+__all__ = ["progress", "log"]
 
 SEND_HZ = 10
 GPU_EVERY_S = 1.0
@@ -306,136 +305,3 @@ def log(step: Optional[int] = None, **scalars: float) -> None:
         except (TypeError, ValueError):
             raise TypeError(f"log({name}=...) takes numbers, got {type(value).__name__}") from None
     _reporter.metrics.append((step, time.time(), values))
-
-
-class _TqdmRow:
-    """A tqdm bar as the reporter sees it. Weak: a bar the code drops without
-    closing still ends (tqdm closes it when collected)."""
-
-    def __init__(self, bar):
-        self._bar = weakref.ref(bar)
-        self.final: Optional[tuple] = None  # taken at close: the bar may be gone before the next send
-
-    def _state(self) -> Optional[tuple]:
-        bar = self._bar()
-        if self.final is not None or bar is None:
-            return self.final
-        return self.read(bar)
-
-    @staticmethod
-    def read(bar, when: Optional[float] = None) -> tuple:
-        # tqdm syncs n from its iterator only when it would redraw, and
-        # notes when: last_print_t, on the same clock as time.time().
-        return (str(bar.desc or ""), bar.n, bar.total, bool(bar.disable), str(bar.postfix or ""),
-                when or getattr(bar, "last_print_t", None))
-
-
-def mirror_tqdm(tqdm_cls) -> None:
-    """Make every console bar of ``tqdm_cls`` (``tqdm.std.tqdm``, so every
-    subclass too) a row of this rank. Only bars that draw on the rank's
-    stdout/stderr are mirrored; a bar written to a file of the user's is
-    left alone. tqdm's per-item path is not touched: it sets ``n`` when it
-    would redraw (at most every ``mininterval``), and the reporter reads it."""
-    if tqdm_cls.__dict__.get("_nblaunch_mirrored"):
-        return
-    init, display, clear, close = tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.clear, tqdm_cls.close
-    iterate = tqdm_cls.__iter__
-
-    def __iter__(self):
-        if not self.__dict__.get("_nblaunch_row"):
-            yield from iterate(self)
-            return
-        for obj in iterate(self):
-            yield obj
-            _count_step()  # a step boundary: where a live call's interrupt may land
-
-    def __init__(self, *args, **kwargs):
-        file = kwargs.get("file", args[4] if len(args) > 4 else None)
-        # Decided before tqdm's own __init__, which draws the empty bar.
-        self._nblaunch_row = _reporter is not None and file in (None, sys.stdout, sys.stderr)
-        self._nblaunch_closing = False
-        init(self, *args, **kwargs)
-        if self._nblaunch_row and not self.disable:
-            self._nblaunch_mirror = _TqdmRow(self)
-            _reporter.add(self._nblaunch_mirror)
-
-    def display_(self, msg=None, pos=None):
-        # Silent while the row shows it; its final line when it closes with
-        # leave=True (tqdm then calls display(pos=0) with no message).
-        if self.__dict__.get("_nblaunch_row") and not (self._nblaunch_closing and msg is None and pos == 0):
-            return True
-        return display(self, msg, pos)
-
-    def clear_(self, *args, **kwargs):
-        if not self.__dict__.get("_nblaunch_row"):
-            return clear(self, *args, **kwargs)
-
-    def close_(self):
-        self.__dict__["_nblaunch_closing"] = True
-        try:
-            return close(self)
-        finally:
-            row = self.__dict__.get("_nblaunch_mirror")
-            if row is not None and _reporter is not None:
-                row.final = _TqdmRow.read(self, when=time.time())
-                _reporter._wake.set()
-
-    tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.clear, tqdm_cls.close = __init__, display_, clear_, close_
-    tqdm_cls.__iter__ = __iter__
-    tqdm_cls._nblaunch_mirrored = True
-
-
-class _RichRow:
-    """One task of a ``rich.progress.Progress`` as the reporter sees it."""
-
-    def __init__(self, owner, task_id):
-        self._owner = weakref.ref(owner)
-        self._task_id = task_id
-
-    def _state(self) -> Optional[tuple]:
-        owner = self._owner()
-        task = owner._tasks.get(self._task_id) if owner is not None else None
-        if task is None:
-            return None
-        closed = owner.__dict__.get("_nblaunch_stopped", False)
-        return _plain(task.description), task.completed, task.total, closed, "", None
-
-
-def _plain(markup: str) -> str:
-    """A rich description without its markup (``[bold]Epoch 1[/]``)."""
-    try:
-        from rich.text import Text
-
-        return Text.from_markup(str(markup)).plain
-    except Exception:
-        return str(markup)
-
-
-def mirror_rich(progress_cls) -> None:
-    """Make every visible task of a ``rich.progress.Progress`` that draws on
-    the rank's console a row (Lightning's default progress bar where rich is
-    installed). rich renders nothing live when its console is a pipe, which
-    a rank's is; its final render at ``stop()`` is kept."""
-    if progress_cls.__dict__.get("_nblaunch_mirrored"):
-        return
-    add_task, start, stop = progress_cls.add_task, progress_cls.start, progress_cls.stop
-
-    def add_task_(self, *args, **kwargs):
-        task_id = add_task(self, *args, **kwargs)
-        if (_reporter is not None and kwargs.get("visible", True) and not self.disable
-                and getattr(self.console, "file", None) in (sys.stdout, sys.stderr)):
-            _reporter.add(_RichRow(self, task_id))
-        return task_id
-
-    def start_(self):
-        self.__dict__["_nblaunch_stopped"] = False
-        return start(self)
-
-    def stop_(self):
-        self.__dict__["_nblaunch_stopped"] = True
-        if _reporter is not None:
-            _reporter.flush()  # before the tasks it holds are gone
-        return stop(self)
-
-    progress_cls.add_task, progress_cls.start, progress_cls.stop = add_task_, start_, stop_
-    progress_cls._nblaunch_mirrored = True

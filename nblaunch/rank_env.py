@@ -23,20 +23,22 @@ The contract, for every start method:
 * ``multiprocessing``'s default start method is the platform's own (fork on
   Linux before Python 3.14), so DataLoader workers behave as under torchrun;
 * libraries that decided "interactive" or "notebook" at import time in the
-  kernel get the rank's answer (the shims below, each named and tested);
+  kernel get the rank's answer (:mod:`nblaunch.integrations`, each shim
+  named and tested);
 * thread pools the kernel made (``torch.compile``'s compile pool) work in a
   forked rank, which inherits them without their threads.
 """
 from __future__ import annotations
 
 import builtins
-import importlib.abc
 import logging
 import multiprocessing
 import os
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Optional
+
+from . import integrations
 
 __all__ = ["become_rank", "kernel_logging", "rank_environ"]
 
@@ -103,8 +105,7 @@ def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked:
     multiprocessing.set_start_method(None, force=True)
     if forked:
         _revive_inherited_thread_pools()
-    _fix_import_time_answers()
-    _AfterImport.install(_AFTER_IMPORT)
+    integrations.install()
 
 
 # -- IPython -----------------------------------------------------------------------
@@ -219,174 +220,3 @@ def _recreate_logging(setup: tuple) -> None:
         h.setLevel(h_level)
         h.setFormatter(logging.Formatter(fmt, datefmt, style))
         root.addHandler(h)
-
-
-# -- answers libraries worked out at import time -------------------------------------
-
-
-def _fix_import_time_answers() -> None:
-    """For modules a forked rank inherited already imported."""
-    interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
-    for name, module in list(sys.modules.items()):
-        # Lightning: `_IS_INTERACTIVE = hasattr(sys, "ps1") or ...` at import,
-        # copied by `from ... import` into several modules; with it True,
-        # Trainer(strategy="ddp") refuses to run ("not compatible with an
-        # interactive environment").
-        if name.startswith(("lightning", "pytorch_lightning")) and hasattr(module, "_IS_INTERACTIVE"):
-            module._IS_INTERACTIVE = interactive
-    for name, fix in _AFTER_IMPORT.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            _apply_fix(fix, module)
-
-
-def _apply_fix(fix: Callable, module) -> None:
-    try:
-        fix(module)
-    except Exception as exc:  # a fix must never break the rank or the user's import
-        print(f"[nblaunch] could not adapt {module.__name__} for a rank: {exc!r}", file=sys.stderr)
-
-
-def _detach_tqdm_notebook(module) -> None:
-    """tqdm's notebook front end draws ipywidgets through the kernel's comm
-    channel, which a rank cannot reach (a forked rank's messages are dropped
-    with "attempted to send message from fork"). ``tqdm.auto`` picked it at
-    import in the kernel, and classes that subclass it (Lightning's ``Tqdm``)
-    are bound for good, so rebinding names cannot reach them all: instead its
-    overrides are removed from the class, and every notebook bar in this rank
-    behaves as the core ``tqdm`` (whose bars then become the rank's rows)."""
-    cls = getattr(module, "tqdm_notebook", None)
-    if cls is None or cls.__dict__.get("_nblaunch_detached"):
-        return
-    for attr, value in list(cls.__dict__.items()):
-        if callable(value) or isinstance(value, (property, staticmethod, classmethod)):
-            if not attr.startswith("__") or attr in ("__init__", "__iter__", "__repr__"):
-                delattr(cls, attr)
-    cls._nblaunch_detached = True
-
-
-def _plain_trainer_progress(module) -> None:
-    """transformers picks ``NotebookProgressCallback`` (HTML through IPython's
-    display) when ``transformers.trainer`` is imported in a notebook; a rank
-    uses the console ``ProgressCallback``, as under torchrun."""
-    from transformers.trainer_callback import ProgressCallback
-
-    if getattr(module, "DEFAULT_PROGRESS_CALLBACK", ProgressCallback) is not ProgressCallback:
-        module.DEFAULT_PROGRESS_CALLBACK = ProgressCallback
-
-
-def _forget_notebook_answer(module) -> None:
-    """``transformers.utils.is_in_notebook`` caches its answer (lru_cache):
-    the kernel's True would stay the rank's."""
-    cached = getattr(module, "is_in_notebook", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
-
-
-def _trainer_logs_to_rows(module) -> None:
-    """The HF Trainer's console progress writes its logged numbers (loss,
-    learning rate) as a printed dict; they also go to ``nblaunch.log`` so the
-    rank's row and the chart show them."""
-    cls = getattr(module, "ProgressCallback", None)
-    if cls is None or getattr(cls.on_log, "_nblaunch", False):
-        return
-    original = cls.on_log
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        from .progress import log
-
-        if logs:
-            numbers = {k: v for k, v in logs.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "total_flos"}
-            if numbers:
-                log(step=state.global_step, **numbers)
-        return original(self, args, state, control, logs=logs, **kwargs)
-
-    on_log._nblaunch = True
-    cls.on_log = on_log
-
-
-def _mirror_tqdm(module) -> None:
-    from .progress import mirror_tqdm
-
-    mirror_tqdm(module.tqdm)
-
-
-def _fresh_accelerate_state(module) -> None:
-    """accelerate keeps its process state in class-level singletons. One made
-    in the kernel (an ``Accelerator()`` or ``PartialState()`` in a cell: one
-    process, index 0) would be every forked rank's, and every rank would
-    think it is the main process. A rank starts with none, as under torchrun."""
-    for name in ("AcceleratorState", "GradientState", "PartialState"):
-        cls = getattr(module, name, None)
-        if cls is not None and getattr(cls, "_shared_state", None):
-            cls._shared_state.clear()
-
-
-def _mirror_rich(module) -> None:
-    from .progress import mirror_rich
-
-    mirror_rich(module.Progress)
-
-
-# Fixes applied to a module when it is imported in the rank, or at once if it
-# already was (a forked rank). Keys are module names.
-_AFTER_IMPORT: dict[str, Callable] = {
-    "tqdm.std": _mirror_tqdm,
-    "tqdm.notebook": _detach_tqdm_notebook,
-    "rich.progress": _mirror_rich,
-    "accelerate.state": _fresh_accelerate_state,
-    "transformers.utils.import_utils": _forget_notebook_answer,
-    "transformers.trainer": _plain_trainer_progress,
-    "transformers.trainer_callback": _trainer_logs_to_rows,
-}
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run a fix right after a named module is first imported in this rank.
-
-    Python has no post-import hook (PEP 369 was withdrawn); wrapt has one,
-    but this rank needs it for a handful of module names, and a first meta-path
-    finder that wraps the found loader is all it takes."""
-
-    def __init__(self, fixes: dict[str, Callable]):
-        self._fixes = dict(fixes)
-
-    @classmethod
-    def install(cls, fixes: dict[str, Callable]) -> None:
-        pending = {name: fix for name, fix in fixes.items() if name not in sys.modules}
-        if pending and not any(isinstance(f, cls) for f in sys.meta_path):
-            sys.meta_path.insert(0, cls(pending))
-
-    def find_spec(self, name, path=None, target=None):
-        fix = self._fixes.get(name)
-        if fix is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            del self._fixes[name]
-            spec.loader = _FixingLoader(spec.loader, fix)
-        return spec
-
-
-class _FixingLoader(importlib.abc.Loader):
-    def __init__(self, loader, fix: Callable):
-        self._loader, self._fix = loader, fix
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        _apply_fix(self._fix, module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
