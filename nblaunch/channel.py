@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Phase", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,16 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """What a rank is doing before its first step: ``importing torch``,
+    ``joining the process group``, ``in fn``."""
+
+    rank: int
+    what: str
+    call: int = 0
+
+
+@dataclass(frozen=True)
 class Progress:
     """The latest state of one progress bar of a rank (``key`` tells bars apart)."""
 
@@ -123,7 +133,7 @@ class Stopping:
     call: int = 0
 
 
-Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping]
+Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase]
 
 
 class EventSender:
@@ -142,6 +152,6 @@ class EventSender:
 
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping)):
+    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase)):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event

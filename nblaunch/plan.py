@@ -110,7 +110,7 @@ def _preload_forkserver() -> None:
     launches do not pay ``import torch`` per rank. Only takes effect if this
     kernel's forkserver is not running yet."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
+        ["nblaunch.forkserver_guard", "nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
 
 
 def _cuda_initialized() -> bool:

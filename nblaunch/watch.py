@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import errors
-from .channel import RELEASE, Failure, GpuMemory, Metrics, Progress, Result, Started, Stopping
+from .channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Result, Started, Stopping
 from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures, left_early,
                      render_interrupt)
 from .pool import Exited, Lines, Message, RankPool, Rewriting
@@ -223,6 +223,9 @@ class CallWatch:
         if isinstance(event, Started):
             self._view.rank_status(rank, "running")
             return
+        if isinstance(event, Phase) and event.what != "in fn":  # set-up: before any call
+            self._view.rank_phase(rank, event.what)
+            return
         if getattr(event, "call", self.call) != self.call:
             return  # a live rank's bar of its last call, sent as that call ended
         if isinstance(event, Progress):
@@ -243,6 +246,8 @@ class CallWatch:
                                              interrupted=part.interrupted))
         elif isinstance(event, Stopping):
             self._on_stopping(rank, event)
+        elif isinstance(event, Phase):
+            self._view.rank_phase(rank, event.what)
 
     def _take_result(self, rank: int, event: Result) -> None:
         """Unpickle a result as it arrives (its tensors' shared memory is

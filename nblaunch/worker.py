@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from . import progress, rank_env, stacks
-from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Result, Started
+from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Phase, Result, Started
 from .frames import is_machinery
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
@@ -104,7 +104,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         os.environ.update(_torchrun_env(spec))
         os.environ.update(spec.env)
         sender.send(Started(local, os.getpid(), time.time()))
-        made_group = _setup_torch(spec)
+        made_group = _setup_torch(spec, sender)
         if spec.live:
             sender.send(Result(local, pickle.dumps(None), call=0, seq=_group_seq()))
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
@@ -169,6 +169,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
             exited = False
             try:
                 interrupt.running = True
+                sender.send(Phase(spec.local_rank, "in fn", call=call.id))
                 if interrupt.pending or interrupt.asked():  # it came while the call was loading
                     raise KeyboardInterrupt
                 value = fn(*args, **kwargs)
@@ -490,8 +491,10 @@ def _torchrun_env(spec: WorkerSpec) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def _setup_torch(spec: WorkerSpec) -> bool:
+def _setup_torch(spec: WorkerSpec, sender: EventSender) -> bool:
     """Threads, device and process group. Returns True if a group was made."""
+    if "torch" not in sys.modules:  # spawn, forkserver without its preload: seconds on a busy machine
+        sender.send(Phase(spec.local_rank, "importing torch"))
     import torch
 
     progress._torch_imported()
@@ -502,6 +505,7 @@ def _setup_torch(spec: WorkerSpec) -> bool:
         return False
     import torch.distributed as dist
 
+    sender.send(Phase(spec.local_rank, "joining the process group"))
     dist.init_process_group(
         backend=spec.backend,
         init_method="env://",

@@ -277,3 +277,28 @@ def test_a_killed_kernel_takes_what_its_ranks_started_with_it(tmp_path, method):
         assert wait_gone(pids, timeout=5) == []
     finally:
         k.shutdown()
+
+
+@pytest.mark.parametrize("delay", [0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5])
+def test_a_kernel_killed_during_its_first_forkserver_launch_leaves_nothing_after_a_second(delay):
+    """The forkserver imports torch before it serves; it used to outlive the kernel by 2 s."""
+    k = Kernel()
+    try:
+        k.execute("from nblaunch import notebook_launcher\nimport time, torch")
+        msg_id = k.execute_async(
+            "notebook_launcher(time.sleep, (600,), num_processes=2, start_method='forkserver', display='none')")
+        kernel = psutil.Process(k.pid)
+        seen: dict = {}
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:  # every process the launch has made so far
+            for p in kernel.children(recursive=True):
+                seen.setdefault(p.pid, p)
+            time.sleep(0.005)
+        for p in kernel.children(recursive=True):
+            seen.setdefault(p.pid, p)
+        os.kill(k.pid, signal.SIGKILL)
+        assert msg_id
+        left = wait_gone(list(seen), timeout=1.0)
+        assert left == [], [" ".join(seen[pid].cmdline())[-120:] for pid in left]
+    finally:
+        k.shutdown()

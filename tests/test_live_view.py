@@ -247,3 +247,50 @@ def test_gpu_memory_without_nvml_comes_from_the_rank(kernel):
     assert r.error is None, r.error
     texts = [text for update in rows_updates(r.outputs) for _, _, text in update.rows]
     assert any("gpu0 1.0 GiB/80.0 GiB" in t for t in texts), texts[-2:]
+
+
+def test_a_row_says_what_its_rank_does_before_its_first_step(monkeypatch):
+    """No row sits silent at 0%: importing, joining the process group, in fn."""
+    import nblaunch.session as session_mod
+    from nblaunch.view import TextDisplay
+
+    seen: dict = {}
+
+    class Recording(TextDisplay):
+        def rank_phase(self, rank, phase):
+            super().rank_phase(rank, phase)
+            seen.setdefault(rank, []).append(phase)
+
+        def tick(self, force=False):
+            super().tick(force)
+            for i, r in enumerate(self.state.ranks):
+                seen.setdefault(("rows", i), set()).add(r.detail().split(" 0 s")[0].split(" 1 s")[0])
+
+    monkeypatch.setattr(session_mod, "make_display", lambda kind, show_after=0.0: Recording(show_status=False))
+    notebook_launcher(time.sleep, (1.5,), num_processes=2, start_method="spawn", display="none")
+    for rank in (0, 1):
+        assert seen[rank] == ["importing torch", "joining the process group", "in fn"], seen
+        assert "running \u00b7 in fn" in seen[("rows", rank)], seen[("rows", rank)]
+    assert seen[("rows", 0)] & {"running \u00b7 importing torch", "running \u00b7 joining the process group"}
+
+
+def test_the_final_view_keeps_peak_memory_and_the_last_lines_of_output():
+    from nblaunch.resources import Usage
+    from nblaunch.view import WidgetDisplay
+
+    view = WidgetDisplay(show=False)
+    view.begin(2, "fork", "gloo", "/tmp/x")
+    view.show()
+    for rank in (0, 1):
+        view.rank_status(rank, "running")
+    view.resources({0: Usage(50.0, 900 << 20, False), 1: Usage(50.0, 700 << 20, False)})
+    view.resources({0: Usage(50.0, 600 << 20, False), 1: Usage(50.0, 1500 << 20, False, gpu=(1, 3 << 30, 8 << 30, 90))})
+    view.rank_lines(0, [f"epoch {i}" for i in range(30)])
+    for rank in (0, 1):
+        view.rank_status(rank, "finished")
+    view.close("finished")
+    text = view.static_text()
+    assert "rank 0 finished \u00b7 peak mem 900 MiB" in text
+    assert "rank 1 finished \u00b7 peak mem 1.5 GiB gpu1 3.0 GiB" in text
+    assert "last 20 lines of output:" in text and "[rank 0] epoch 29" in text and "[rank 0] epoch 9\n" not in text
+    assert "peak&#160;mem&#160;900&#160;MiB" in view.static_html()  # the saved notebook keeps it too

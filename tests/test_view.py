@@ -101,3 +101,25 @@ def test_the_view_colours_read_on_light_and_dark_backgrounds():
     for colour in [*display._PALETTE, *display._STATE_COLOR.values()]:
         for background in ("#ffffff", "#111111"):
             assert contrast(colour, background) >= 3, (colour, background, contrast(colour, background))
+
+
+def test_chart_ticks_sit_at_round_values_on_both_axes():
+    from nblaunch.view.html import log_ticks, nice_ticks, tick_label
+
+    # The ranges the issue saw (ticks at 8.3 / 5.57 / 2.84 / 0.115 and 0.125 / 0.113 / 0.101 / 0.0889).
+    assert [tick_label(t) for t in nice_ticks(0.115, 8.3)] == ["0", "2", "4", "6", "8", "10"]
+    assert [tick_label(t) for t in nice_ticks(0.0889, 0.125)] == ["0.08", "0.09", "0.1", "0.11", "0.12", "0.13"]
+    assert [tick_label(t) for t in nice_ticks(-3, 7)] == ["-5", "0", "5", "10"]
+    assert [tick_label(t) for t in log_ticks(6e-6, 5)] == ["1e-06", "0.0001", "0.01", "1"]
+    assert [tick_label(t) for t in log_ticks(1e-12, 1e3)] == ["1e-12", "1e-09", "1e-06", "0.001", "1", "1000"]
+    for lo, hi in [(0.115, 8.3), (1e-7, 3e-7), (5, 5.0000001), (100, 12345), (0.1, 0.109)]:
+        ticks = nice_ticks(lo, hi)
+        assert ticks[0] <= lo and ticks[-1] >= hi and 2 <= len(ticks) <= 6
+        steps = {round((b - a) / (ticks[1] - ticks[0]), 6) for a, b in zip(ticks, ticks[1:])}
+        assert steps == {1.0}  # evenly spaced
+        mantissa = float(f"{ticks[1] - ticks[0]:.1e}".split("e")[0])
+        assert mantissa in (1.0, 2.0, 5.0), (lo, hi, ticks)
+        assert len({tick_label(t) for t in ticks}) == len(ticks)  # no two labels alike
+    svg = __import__("nblaunch.view.html", fromlist=["_svg_chart"])._svg_chart(
+        "loss", {0: [(i, 8.3 - i * 0.1) for i in range(82)]})
+    assert ">2</text>" in svg and ">8</text>" in svg and ">8.3</text>" not in svg

@@ -52,6 +52,9 @@ class View:
     def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int) -> None:
         self.state.place(first_rank, world_size, node, num_nodes)
 
+    def rank_phase(self, rank: int, phase: str) -> None:
+        self.state.set_phase(rank, phase)
+
     def rank_status(self, rank: int, status: str) -> None:
         self.state.set_rank(rank, status)
 

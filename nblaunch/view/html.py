@@ -69,7 +69,8 @@ def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     log_scale = y0 > 0 and y1 / y0 > 100
     f = math.log10 if log_scale else (lambda v: v)
-    v0, v1 = f(y0), f(y1)
+    ticks = log_ticks(y0, y1) if log_scale else nice_ticks(y0, y1)
+    v0, v1 = f(min(y0, ticks[0])), f(max(y1, ticks[-1]))  # the axis runs from tick to tick
     left, top, bottom, right = 52, 22, 20, 10  # the title sits above the plot, never on it
     sx = (width - left - right) / ((x1 - x0) or 1)
     sy = (height - top - bottom) / ((v1 - v0) or 1)
@@ -77,14 +78,10 @@ def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int
     def y_of(v: float) -> float:
         return height - bottom - (f(v) - v0) * sy
 
-    ticks = ([10.0 ** e for e in range(math.ceil(v0), math.floor(v1) + 1)] if log_scale
-             else [y0 + (y1 - y0) * k / 3 for k in range(4)] if y1 > y0 else [y0])
-    if log_scale and len(ticks) > 6:
-        ticks = ticks[::math.ceil(len(ticks) / 6)]
     grid = "".join(
         f"<line x1='{left}' x2='{width - right}' y1='{y_of(t):.1f}' y2='{y_of(t):.1f}' stroke='currentColor' "
         f"stroke-opacity='0.15'/><text x='{left - 4}' y='{y_of(t) + 3:.1f}' font-size='10' text-anchor='end' "
-        f"fill='currentColor'>{t:.3g}</text>" for t in ticks)
+        f"fill='currentColor'>{tick_label(t)}</text>" for t in ticks)
     lines = []
     for rank, pts in sorted(series.items()):
         path = " ".join(f"{left + (x - x0) * sx:.1f},{y_of(y):.1f}" for x, y in pts if not log_scale or y > 0)
@@ -98,3 +95,35 @@ def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int
             + f"<text x='{left}' y='{height - 4}' font-size='10' fill='currentColor'>step {x0}</text>"
             f"<text x='{width - right}' y='{height - 4}' font-size='10' text-anchor='end' "
             f"fill='currentColor'>{x1}</text>" + "".join(lines) + "</svg>")
+
+
+def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
+    """Ticks for a linear axis at round values: a step of 1, 2 or 5 x 10^n,
+    from the last multiple at or below ``lo`` to the first at or above ``hi``."""
+    if hi <= lo:
+        return [lo]
+    power = 10.0 ** math.floor(math.log10((hi - lo) / most))
+    for step in (m * power for m in (1, 2, 5, 10, 20, 50)):
+        first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+        if last - first + 1 <= most + 1:
+            break
+    return [_round_to(k * step, step) for k in range(first, last + 1)]
+
+
+def log_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
+    """Ticks for a log axis: whole decades around ``lo``..``hi``, every
+    second (or third...) one when there are more than ``most``."""
+    first, last = math.floor(math.log10(lo) + 1e-9), math.ceil(math.log10(hi) - 1e-9)
+    every = math.ceil((last - first + 1) / most)
+    return [10.0 ** e for e in range(first, last + 1, every)]
+
+
+def tick_label(v: float) -> str:
+    """``0.1``, ``2``, ``1e-05``: what a reader expects at a round value."""
+    return f"{v:.12g}"  # ticks are already rounded to their step: no float noise to hide
+
+
+def _round_to(v: float, step: float) -> float:
+    """``k * step`` without the float noise (0.30000000000000004)."""
+    decimals = max(0, -math.floor(math.log10(step)) + 1)
+    return round(v, decimals) + 0.0  # + 0.0: no "-0"

@@ -20,6 +20,8 @@ PAGE_LINES = 100  # the widget's log pane: lines per page (only the newest page 
 MAX_PAGES = 50  # ... and pages kept (5,000 lines; the log files keep everything)
 MAX_LINE_CHARS = 2000  # longer lines are shortened in the view, never in the log file
 AGGREGATE_ABOVE = 16
+STILL_AFTER_S = 10.0  # a running rank's row says how long since its last step after this long
+TEXT_TAIL_LINES = 20  # of the ranks' output, what the final text/plain keeps
 
 
 @dataclass
@@ -58,6 +60,10 @@ class RankState:
     bars: dict = field(default_factory=dict)  # key -> BarState, in the order the rank opened them
     metrics: dict = field(default_factory=dict)
     usage: Optional[object] = None  # resources.Usage, sampled about once a second while it runs
+    peak_rss: int = 0  # the most memory a sample saw (kept for the final view)
+    peak_gpu: Optional[tuple] = None  # (device, the most GPU memory a sample saw)
+    phase: str = ""  # what a running rank is doing before its first step (channel.Phase)
+    phase_at: float = 0.0  # since when (the kernel's monotonic clock)
 
     @property
     def current(self) -> Optional[BarState]:
@@ -90,7 +96,13 @@ class RankState:
         text, its parts joined by ``sep``."""
         parts = [self.status]
         bar = self.current
-        if bar is not None and (bar.total or bar.n):
+        moving = bar is not None and (bar.total or bar.n)
+        if self.status == "running" and self.phase and not moving:
+            # No row sits silent at 0%: what the rank does before its first step.
+            parts.append(f"\u00b7 {self.phase} {time.monotonic() - self.phase_at:.0f} s")
+        elif self.status == "running" and moving and time.monotonic() - self.last_change >= STILL_AFTER_S:
+            parts.append(f"\u00b7 {time.monotonic() - self.last_change:.0f} s since its last step")
+        if moving:
             outer = [b.text() for b in self.bars.values() if not b.closed and b is not bar]
             parts.append(" \u00b7 ".join(outer + [bar.text()]))
             rate = bar.rate()
@@ -103,6 +115,9 @@ class RankState:
         parts += [f"{k}={v:.4g}" for k, v in self.metrics.items()]
         if self.usage is not None and self.status == "running":
             parts.append(f"\u00b7 {self.usage.text()}")  # a middle dot: no line break after it, unlike "|"
+        elif self.peak_rss:  # where people look for "how much memory did it take"
+            gpu = f" gpu{self.peak_gpu[0]} {_size(self.peak_gpu[1])}" if self.peak_gpu else ""
+            parts.append(f"\u00b7 peak mem {_size(self.peak_rss)}{gpu}")
         return sep.join(parts)
 
     def line(self, rank: int, now: float = 0.0) -> str:
@@ -167,7 +182,15 @@ class LaunchState:
     def resources(self, usage: dict) -> None:
         """``local rank -> resources.Usage``, from the call watch's sampler."""
         for rank, u in usage.items():
-            self.ranks[rank].usage = u
+            r = self.ranks[rank]
+            r.usage = u
+            r.peak_rss = max(r.peak_rss, u.rss)
+            if u.gpu is not None and (r.peak_gpu is None or u.gpu[1] > r.peak_gpu[1]):
+                r.peak_gpu = (u.gpu[0], u.gpu[1])
+        self.changed = True
+
+    def set_phase(self, rank: int, phase: str) -> None:
+        self.ranks[rank].phase, self.ranks[rank].phase_at = phase, time.monotonic()
         self.changed = True
 
     def set_rank(self, rank: int, status: str) -> None:
@@ -213,3 +236,7 @@ def clip(line: str) -> str:
     if len(line) <= MAX_LINE_CHARS:
         return line
     return f"{line[:MAX_LINE_CHARS]} ... [{len(line) - MAX_LINE_CHARS:,} more characters in the log file]"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -9,7 +9,7 @@ from typing import Optional
 from .. import ansi
 from .base import View
 from .html import _PALETTE, _PART, _STATE_COLOR, _bar_row, _fraction, _svg_chart
-from .state import AGGREGATE_ABOVE, MAX_PAGES, MAX_RATE, PAGE_LINES, clip
+from .state import AGGREGATE_ABOVE, MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
 
 __all__ = ["WidgetDisplay"]
 
@@ -140,6 +140,10 @@ class WidgetDisplay(View):
                  f"{st.elapsed():.1f} s"]
         lines += [f"  {r.line(st.label(i))}" for i, r in enumerate(st.ranks)]
         lines += [f"  {notice}" for notice in st.notices[-3:]]
+        if st.tail:  # terminal readers (jupyter execute, papermill, nbval, a diff) see what ranks printed
+            shown = list(st.tail)[-TEXT_TAIL_LINES:]
+            lines.append(f"  last {len(shown)} lines of output:" if len(st.tail) > len(shown) else "  output:")
+            lines += [f"    {line}" for line in shown]
         lines.append(f"  full output: {st.log_dir}")
         return "\n".join(lines)
 
