@@ -6,7 +6,7 @@ once it serves: a kernel killed in that window left it running for 1.1-1.5 s
 (measured). Its own watch cannot be trusted earlier either: the kernel's
 first request, queued on the forkserver's socket, holds a copy of the
 "alive" pipe's write end, so that pipe never reaches EOF. Here, before torch
-(importing this module does not import it):
+(importing nblaunch does not import it):
 
 * Linux is asked to end the forkserver when the thread that started it
   (nblaunch's starter thread, which lives as long as the kernel) ends;

@@ -1,11 +1,14 @@
 """rich in a rank: the tasks of a ``rich.progress.Progress`` become the rank's rows."""
 from __future__ import annotations
 
+import importlib
 import sys
 import weakref
 from typing import Optional
 
-from .. import progress
+# The module (whose _reporter is read at each call), not the package's
+# ``nblaunch.progress``, which is the bar class.
+progress = importlib.import_module("..progress", __package__)
 
 __all__ = ["mirror"]
 

@@ -2,12 +2,15 @@
 picked in the kernel by ``tqdm.auto``, behave as console bars."""
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 import weakref
 from typing import Optional
 
-from .. import progress
+# The module (whose _reporter is read at each call), not the package's
+# ``nblaunch.progress``, which is the bar class.
+progress = importlib.import_module("..progress", __package__)
 
 __all__ = ["mirror", "detach_notebook"]
 
