@@ -56,7 +56,7 @@ def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
         threads=threads, pg_timeout_s=pg_timeout, env={**_interface_env(config.addr), **_accelerate_env()},
         max_restarts=config.max_restarts, run_id=config.rdzv_id if config.multi_node else "none",
         environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging(), live=live,
-        forked=method == "fork")
+        forked=method == "fork", kernel_facts=rank_env.kernel_facts() if method == "fork" else None)
     return RankPlan(method, reason, backend, multiprocessing.get_context(method), pg_timeout, specs_base)
 
 

@@ -85,19 +85,24 @@ def kernel_logging() -> tuple:
     return root.level, tuple(handlers)
 
 
-def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked: bool) -> None:
+def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked: bool,
+                kernel_facts: Optional[dict] = None) -> None:
     """Make this process look like a torchrun rank (module doc). ``environ``
     is :func:`rank_environ` of the kernel at launch time; ``old_streams`` are
     the ``sys.stdout``/``sys.stderr`` this process had before the worker
     pointed fds 1/2 at the kernel's pipe; ``logging_setup`` is
-    :func:`kernel_logging` of the kernel, recreated when not ``forked``."""
+    :func:`kernel_logging` of the kernel, recreated when not ``forked``;
+    ``kernel_facts``: :func:`kernel_facts` of the kernel just before a fork
+    (what a forked rank would otherwise find by walking every module and
+    logger it inherited, copying a page of the kernel's at each one)."""
+    facts = kernel_facts or {}
     if environ != os.environ:
         os.environ.clear()
         os.environ.update(environ)
     _leave_ipython()
     sys.displayhook = sys.__displayhook__
     sys.excepthook = sys.__excepthook__
-    _repoint_logging(old_streams)
+    _repoint_logging(old_streams, facts.get("loggers"))
     if not forked:
         _recreate_logging(logging_setup)
     # The platform's default, as a torchrun rank gets: a spawned rank had
@@ -105,7 +110,32 @@ def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked:
     multiprocessing.set_start_method(None, force=True)
     if forked:
         _revive_inherited_thread_pools()
-    integrations.install()
+    integrations.install(facts.get("interactive_modules"))
+
+
+def kernel_facts() -> dict:
+    """In the kernel, just before its ranks are forked: which loggers write
+    to the kernel's streams, and which modules hold an import-time answer a
+    rank must change. A forked rank then touches only those objects: a walk
+    over everything it inherited costs each rank about 5 MiB of its own
+    memory (the pages of every object it touches are copied)."""
+    return {"loggers": tuple(name for name, logger in _loggers() if any(_kernel_stream(h) for h in logger.handlers)),
+            "interactive_modules": integrations.interactive_modules()}
+
+
+def _loggers():
+    """``(name, logger)`` of the root logger ("") and every other."""
+    yield "", logging.getLogger()
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger):
+            yield name, logger
+
+
+def _kernel_stream(h) -> bool:
+    """A console handler that writes to the kernel's own streams."""
+    return (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and (h.stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+                 or type(h.stream).__module__.startswith("ipykernel")))
 
 
 # -- IPython -----------------------------------------------------------------------
@@ -185,14 +215,15 @@ def _console_name(stream) -> Optional[str]:
     return None
 
 
-def _repoint_logging(old_streams: tuple) -> None:
+def _repoint_logging(old_streams: tuple, names: Optional[tuple] = None) -> None:
     """Handlers made in the kernel (``logging.basicConfig`` in a cell,
     transformers' own) hold the kernel's streams; a forked rank writing there
-    would bypass its pipe. Each is pointed at the rank's own stream."""
+    would bypass its pipe. Each is pointed at the rank's own stream.
+    ``names``: the loggers that have such handlers, as the kernel found them
+    before forking (None: look at every logger)."""
     old_out, old_err = old_streams
     targets = {id(old_out): sys.stdout, id(old_err): sys.stderr}
-    loggers = [logging.getLogger()] + [lg for lg in list(logging.Logger.manager.loggerDict.values())
-                                       if isinstance(lg, logging.Logger)]
+    loggers = [lg for _, lg in _loggers()] if names is None else [logging.getLogger(name or None) for name in names]
     for logger in loggers:
         for h in logger.handlers:
             if not isinstance(h, logging.StreamHandler) or isinstance(h, logging.FileHandler):

@@ -66,6 +66,7 @@ class WorkerSpec:
     logging_setup: tuple = ()
     live: bool = False  # a live session's rank: serves calls until told to close
     forked: bool = False  # started by fork: it inherited the kernel's memory (and the job)
+    kernel_facts: Optional[dict] = None  # rank_env.kernel_facts(), looked up in the kernel before a fork
     interrupt_file: str = ""  # a live rank: which call the kernel's SIGINT is for
 
 
@@ -90,7 +91,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     _watch_parent(spec.kernel_pid, parent)
     old_streams = _capture_output(output)
     rank_env.become_rank(spec.environ if spec.environ is not None else rank_env.rank_environ(),
-                         old_streams, spec.logging_setup, forked=spec.forked)
+                         old_streams, spec.logging_setup, forked=spec.forked, kernel_facts=spec.kernel_facts)
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)

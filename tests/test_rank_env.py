@@ -465,3 +465,28 @@ def test_a_line_rewritten_with_carriage_returns_shows_live_and_giant_lines_are_s
     assert "downloading 30/30" in pane and "downloading 29/30" not in pane  # one line, as a terminal shows
     assert "[98,000 more characters in the log file]" in pane
     assert int(reply.stdout.split()[-1]) > 100_000  # the log file keeps the whole line
+
+
+def test_the_kernel_names_what_a_forked_rank_must_change_so_the_rank_walks_nothing(monkeypatch):
+    """A forked rank that walked every module and logger it inherited copied a
+    page of the kernel's for each (5 MiB of each rank's own memory, measured
+    in bench/run.py); the kernel names them before forking instead."""
+    import logging
+    import sys
+
+    import pytorch_lightning  # noqa: F401  (defines and copies _IS_INTERACTIVE)
+
+    from nblaunch import rank_env
+
+    handler = logging.StreamHandler(sys.stderr)
+    named = logging.getLogger("nblaunch-test-kernel-logger")
+    named.addHandler(handler)
+    monkeypatch.setattr(named, "propagate", False)
+    try:
+        facts = rank_env.kernel_facts()
+    finally:
+        named.removeHandler(handler)
+    assert "nblaunch-test-kernel-logger" in facts["loggers"]
+    assert "lightning_fabric.utilities.imports" in facts["interactive_modules"]
+    assert all(hasattr(sys.modules[name], "_IS_INTERACTIVE") for name in facts["interactive_modules"])
+    assert "pytorch_lightning.trainer.connectors.accelerator_connector" in facts["interactive_modules"]

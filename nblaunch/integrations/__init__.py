@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from . import accelerate, rich, tqdm, transformers
 
@@ -45,21 +45,37 @@ AFTER_IMPORT: dict[str, Callable] = {
 }
 
 
-def install() -> None:
-    """Adapt what is imported already, and what will be."""
-    fix_import_time_answers()
+def install(interactive_modules: Optional[tuple] = None) -> None:
+    """Adapt what is imported already, and what will be. ``interactive_modules``:
+    see :func:`fix_import_time_answers`."""
+    fix_import_time_answers(interactive_modules)
     _AfterImport.install(AFTER_IMPORT)
 
 
-def fix_import_time_answers() -> None:
-    """For modules a forked rank inherited already imported."""
+_LIGHTNING = ("lightning", "pytorch_lightning")
+
+
+def interactive_modules() -> tuple:
+    """In the kernel, before forking: the modules that hold Lightning's
+    import-time answer. Looked up here because a walk over every module in a
+    forked rank touches each module object, and each touch copies a page the
+    rank shared with the kernel (measured: 5 MiB of each rank's own memory)."""
+    return tuple(name for name, module in list(sys.modules.items())
+                 if name.startswith(_LIGHTNING) and hasattr(module, "_IS_INTERACTIVE"))
+
+
+def fix_import_time_answers(names: Optional[tuple] = None) -> None:
+    """For modules a forked rank inherited already imported. ``names``: the
+    modules with Lightning's answer, as the kernel found them before forking
+    (None: look, walking every module)."""
     interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
-    for name, module in list(sys.modules.items()):
-        # Lightning: `_IS_INTERACTIVE = hasattr(sys, "ps1") or ...` at import,
-        # copied by `from ... import` into several modules; with it True,
-        # Trainer(strategy="ddp") refuses to run ("not compatible with an
-        # interactive environment").
-        if name.startswith(("lightning", "pytorch_lightning")) and hasattr(module, "_IS_INTERACTIVE"):
+    # Lightning: `_IS_INTERACTIVE = hasattr(sys, "ps1") or ...` at import,
+    # copied by `from ... import` into several modules; with it True,
+    # Trainer(strategy="ddp") refuses to run ("not compatible with an
+    # interactive environment").
+    for name in interactive_modules() if names is None else names:
+        module = sys.modules.get(name)
+        if module is not None:
             module._IS_INTERACTIVE = interactive
     for name, fix in AFTER_IMPORT.items():
         module = sys.modules.get(name)
