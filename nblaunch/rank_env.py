@@ -96,9 +96,14 @@ def become_rank(environ: dict, old_streams: tuple, logging_setup: tuple, forked:
     (what a forked rank would otherwise find by walking every module and
     logger it inherited, copying a page of the kernel's at each one)."""
     facts = kernel_facts or {}
-    if environ != os.environ:
-        os.environ.clear()
-        os.environ.update(environ)
+    # Only what differs: a forked rank's environment is the kernel's less a
+    # few variables, and rebuilding all of it (clear, then set each) cost
+    # about 200 page copies per rank.
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     _leave_ipython()
     sys.displayhook = sys.__displayhook__
     sys.excepthook = sys.__excepthook__
