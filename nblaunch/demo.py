@@ -50,9 +50,9 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=8)
     opts = parser.parse_args(argv)
     start = time.perf_counter()
-    import nblaunch.display
+    from nblaunch.view import text
 
-    nblaunch.display.STATUS_EVERY_S = 1.0  # a short demo: show the status often
+    text.STATUS_EVERY_S = 1.0  # a short demo: show the status often
     losses = notebook_launcher(train, kwargs={"epochs": opts.epochs}, num_processes=opts.num_processes)
     print(f"final loss per rank: {losses}  ({time.perf_counter() - start:.1f} s)")
 

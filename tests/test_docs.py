@@ -31,3 +31,18 @@ def test_the_readme_code_runs_in_a_fresh_kernel():
         assert results.strip() == "[0.6000000238418579, 0.6000000238418579, 0.6000000238418579, 0.6000000238418579]"
     finally:
         k.shutdown()
+
+
+def test_the_readme_demo_trains_two_ranks_with_live_progress():
+    """The README's first command (after its set-up): a real 2-rank CPU training."""
+    import subprocess
+    import sys
+
+    assert "-m nblaunch.demo" in README.read_text().split("\n## ")[0]
+    out = subprocess.run([sys.executable, "-m", "nblaunch.demo", "--epochs", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[nblaunch] starting 2 ranks" in out.stdout
+    assert "[rank 0] epoch 2/2: loss" in out.stdout
+    assert re.search(r"\[nblaunch\] finished in [\d.]+ s \| rank 0 finished epoch 2/2", out.stdout), out.stdout[-2000:]
+    assert "final loss per rank: [" in out.stdout
