@@ -112,6 +112,10 @@ class RankPool(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def kill_orphans(self) -> None:
+        """SIGKILL what stopped ranks left behind (children that outlived SIGTERM)."""
+
+    @abc.abstractmethod
     def interrupt(self, rank: int, how: str) -> None:
         """A live rank's SIGINT, for the call it is on (``how``: see ``worker._CallInterrupt``)."""
 
