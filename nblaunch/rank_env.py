@@ -137,10 +137,12 @@ def _loggers():
 
 
 def _kernel_stream(h) -> bool:
-    """A console handler that writes to the kernel's own streams."""
+    """A console handler that writes to the kernel's streams (its
+    ``sys.stdout``/``sys.stderr``, ipykernel's): in a rank they would reach
+    the kernel's sockets, not the rank's pipe. (One on the kernel's own fds
+    1/2 needs nothing: in a rank those are the pipe.)"""
     return (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-            and (h.stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-                 or type(h.stream).__module__.startswith("ipykernel")))
+            and (h.stream in (sys.stdout, sys.stderr) or type(h.stream).__module__.startswith("ipykernel")))
 
 
 # -- IPython -----------------------------------------------------------------------

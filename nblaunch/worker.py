@@ -39,6 +39,21 @@ _LINGER_AFTER_FAILURE_S = 2.0
 _current: Optional["WorkerSpec"] = None
 
 
+def _libc_calls() -> tuple:
+    """``(prctl, fflush)`` from libc, looked up once, in the kernel, when
+    this module is imported: a forked rank then uses them as they are, while
+    making them anew ran ctypes' set-up in every rank (page copies of the
+    kernel's, ~0.2 MiB a rank). ``(None, None)`` where there is no libc."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return getattr(libc, "prctl", None), libc.fflush
+    except (OSError, AttributeError):
+        return None, None
+
+
+_prctl, _fflush = _libc_calls()
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a rank needs to know about its place in the launch."""
@@ -397,15 +412,11 @@ def _default_stop_signals() -> None:
 def _watch_parent(kernel_pid: int, parent: int) -> None:
     """Die with the kernel: a kernel-side signal, plus a poll that catches a
     parent that died before the signal was armed (or a forkserver parent)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            # Orphans of what fn starts (a double fork, a daemon) become this
-            # rank's children rather than init's, so the rank can end them.
-            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        except (OSError, AttributeError):
-            pass
+    if sys.platform.startswith("linux") and _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # Orphans of what fn starts (a double fork, a daemon) become this
+        # rank's children rather than init's, so the rank can end them.
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
     kernel_alive = _process_watch(kernel_pid)
 
@@ -778,8 +789,6 @@ def _leave(code: int) -> None:
             pass
     # C stdio too: printf from a C extension sits in libc's buffer (fully
     # buffered on a pipe), which os._exit would throw away.
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
+    if _fflush is not None:
+        _fflush(None)
     os._exit(code)
