@@ -118,6 +118,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE and calls
         _current = spec
         os.environ.update(_torchrun_env(spec))
+        os.environ.update(_slurm_env(spec, os.environ))
         os.environ.update(spec.env)
         sender.send(Started(local, os.getpid(), time.time()))
         made_group = _setup_torch(spec, sender)
@@ -522,6 +523,34 @@ def _torchrun_env(spec: WorkerSpec) -> dict[str, str]:
         "NBLAUNCH_RANK": spec.rank,
     }
     return {k: str(v) for k, v in env.items()}
+
+
+# SLURM's per-task variables, and what each must say in a rank.
+_SLURM_TASK_VARS = {
+    "SLURM_PROCID": lambda s: s.rank,
+    "SLURM_LOCALID": lambda s: s.local_rank,
+    "SLURM_NODEID": lambda s: s.group_rank,
+    "SLURM_NTASKS": lambda s: s.world_size,
+    "SLURM_NPROCS": lambda s: s.world_size,
+    "SLURM_STEP_NUM_TASKS": lambda s: s.world_size,
+    "SLURM_NTASKS_PER_NODE": lambda s: s.local_world_size,
+    "SLURM_STEP_TASKS_PER_NODE": lambda s: s.local_world_size,
+    "SLURM_TASKS_PER_NODE": lambda s: s.local_world_size,
+    "SLURM_NNODES": lambda s: s.num_nodes,
+    "SLURM_STEP_NUM_NODES": lambda s: s.num_nodes,
+    "SLURM_GTIDS": lambda s: ",".join(str(s.rank - s.local_rank + i) for i in range(s.local_world_size)),
+}
+
+
+def _slurm_env(spec: WorkerSpec, environ) -> dict[str, str]:
+    """A kernel inside a SLURM job (a Jupyter server started by ``srun`` or
+    batchspawner) has one task's variables: every rank would inherit
+    ``SLURM_PROCID=0`` and ``SLURM_NTASKS=1``, and code that trusts SLURM
+    (Lightning's and submitit's environments, ignite) would give every rank
+    the same number. Those the kernel has are rewritten to agree with
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and the node; the job's own
+    variables (its id, its allocation) are kept."""
+    return {name: str(value(spec)) for name, value in _SLURM_TASK_VARS.items() if name in environ}
 
 
 def _setup_torch(spec: WorkerSpec, sender: EventSender) -> bool:

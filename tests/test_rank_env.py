@@ -490,3 +490,32 @@ def test_the_kernel_names_what_a_forked_rank_must_change_so_the_rank_walks_nothi
     assert "lightning_fabric.utilities.imports" in facts["interactive_modules"]
     assert all(hasattr(sys.modules[name], "_IS_INTERACTIVE") for name in facts["interactive_modules"])
     assert "pytorch_lightning.trainer.connectors.accelerator_connector" in facts["interactive_modules"]
+
+
+def slurm_view():
+    import os
+
+    import torch.distributed as dist
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    env = SLURMEnvironment()
+    return {"rank": dist.get_rank(), "procid": os.environ["SLURM_PROCID"], "localid": os.environ["SLURM_LOCALID"],
+            "ntasks": os.environ["SLURM_NTASKS"], "job": os.environ["SLURM_JOB_ID"],
+            "lightning": (env.global_rank(), env.local_rank(), env.world_size(), env.node_rank())}
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_launch_inside_a_slurm_job_gives_each_rank_slurm_variables_that_agree_with_its_rank(monkeypatch, method):
+    """A kernel inside `srun` has one task's variables (SLURM_PROCID=0,
+    SLURM_NTASKS=1); ranks that inherited them all said rank 0 to Lightning."""
+    from nblaunch import notebook_launcher
+
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "jupyter", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1",
+                        "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(name, value)
+    views = notebook_launcher(slurm_view, num_processes=2, start_method=method, display="none")
+    for rank, view in enumerate(views):
+        assert view["rank"] == rank
+        assert (view["procid"], view["localid"], view["ntasks"], view["job"]) == (str(rank), str(rank), "2", "4242")
+        assert view["lightning"] == (rank, rank, 2, 0)
