@@ -5,7 +5,9 @@ import html
 import os
 import queue
 import re
+import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -85,14 +87,37 @@ class Kernel:
         env.pop("PYTEST_CURRENT_TEST", None)
         env.update(extra_env or {})
         self.km = KernelManager(kernel_name="python3")
-        if console is not None:
-            self._console = open(console, "wb")
-            self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT)
-        else:
-            self.km.start_kernel(env=env)
+        if console is None:  # kept, so that a test that times out can show where the kernel was
+            fd, console = tempfile.mkstemp(prefix="nblaunch-kernel-console-", suffix=".log")
+            os.close(fd)
+            self._own_console = console
+        self.console_path = console
+        self._console = open(console, "wb")
+        self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        # SIGUSR1 -> every thread's stack on the kernel's console (see _where_it_hangs).
+        self.kc.execute_interactive("import faulthandler as _fh, signal as _sig, sys as _sys\n"
+                                    "_fh.register(_sig.SIGUSR1, file=_sys.__stderr__, all_threads=True)",
+                                    silent=True, timeout=60)
+
+    def _where_it_hangs(self) -> str:
+        """The kernel's threads' stacks and its processes, for a cell that timed out."""
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            self._console.flush()
+            with open(self.console_path, errors="replace") as f:
+                console = f.read()[-20000:]
+        except OSError as exc:
+            console = f"(no console: {exc})"
+        try:
+            procs = [f"{p.pid} {p.status()} {' '.join(p.cmdline())[:150]}"
+                     for p in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error as exc:
+            procs = [f"(no process list: {exc})"]
+        return "kernel console (stacks after SIGUSR1):\n" + console + "\nkernel's processes:\n" + "\n".join(procs)
 
     @property
     def pid(self) -> int:
@@ -111,7 +136,10 @@ class Kernel:
             elif kind == "error":
                 result.error = content
 
-        reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        try:
+            reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self._where_it_hangs()}") from None
         if reply["content"]["status"] == "error" and result.error is None:
             result.error = reply["content"]
         return result
@@ -140,7 +168,10 @@ class Kernel:
         result = CellResult()
         deadline = time.monotonic() + timeout
         while True:
-            msg = self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+            try:
+                msg = self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no reply within {timeout} s\n{self._where_it_hangs()}") from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -157,6 +188,8 @@ class Kernel:
             self.km.shutdown_kernel(now=True)
         if getattr(self, "_console", None) is not None:
             self._console.close()
+        if getattr(self, "_own_console", None) is not None:
+            os.unlink(self._own_console)
 
 
 @dataclass
