@@ -220,6 +220,7 @@ class LocalPool(RankPool):
         self._closed = False
         self._procs: list[_Proc] = []
         self._child_ends: list[Connection] = []
+        self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
         try:
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt)
@@ -234,14 +235,14 @@ class LocalPool(RankPool):
                           stack_file=str(self.log_dir / f"local{local}.stacks"),
                           interrupt_file=str(self.log_dir / f"local{local}.interrupt") if base["live"] else "",
                           **base)
-        ends = []
+        ends: list = []
         try:
             for _ in range(3):
                 ends += ctx.Pipe(duplex=False)
-        except BaseException:
-            for end in ends:
-                end.close()
-            raise
+        finally:
+            # Every end made is closed by close(), whatever happens next: an
+            # interrupt before this rank is recorded leaked its 3 kernel ends.
+            self._ends += ends
         go_r, go_w, ev_r, ev_w, out_r, out_w = ends
         self._child_ends += [go_r, ev_w, out_w]
         os.set_blocking(out_r.fileno(), False)
@@ -538,7 +539,7 @@ class LocalPool(RankPool):
             p.output.close()
             if p.log is not None:
                 p.log.close()
-        for end in self._child_ends:
+        for end in self._ends:
             end.close()
 
     def close(self) -> None:
