@@ -175,10 +175,14 @@ class CallWatch:
             return self._call_over()
         return all(self._pool.exited(r) for r in range(self._pool.size))
 
+    def _in_call(self) -> list[int]:
+        """The ranks still in this call: no result, no failure, not ended."""
+        return [r for r, p in enumerate(self._parts) if not p.done and not self._pool.exited(r)]
+
     def _call_over(self) -> bool:
         """Every rank has returned, failed or ended; whatever a held
         consequence waits for (its cause) is then already in."""
-        return all(p.done or self._pool.exited(r) for r, p in enumerate(self._parts))
+        return not self._in_call()
 
     def _pass(self) -> None:
         """Whatever the ranks sent or did within a tick, then the timers (a
@@ -193,7 +197,7 @@ class CallWatch:
             self._signal(signal.SIGKILL)
             self._pool.kill_orphans()
             self._stop_deadline = float("inf")
-        running = {r for r, p in enumerate(self._parts) if not p.done and not self._pool.exited(r)}
+        running = set(self._in_call())
         for text in self._stalls.check(now, running, self._pool.global_rank):
             self._view.notice(text)
         self._check_departures(now)
@@ -366,10 +370,8 @@ class CallWatch:
 
     def _interrupt(self, at_a_step: bool = False) -> None:
         how = f"{self.call} at a step" if at_a_step else str(self.call)  # see worker._CallInterrupt
-        for r, part in enumerate(self._parts):
-            if part.done or self._pool.exited(r):
-                continue
-            part.interrupted = True
+        for r in self._in_call():
+            self._parts[r].interrupted = True
             self._pool.interrupt(r, how)
         if self._answer_by is None:
             self._answer_by = time.monotonic() + INTERRUPT_GRACE_S
@@ -387,8 +389,7 @@ class CallWatch:
     def _check_answers(self, now: float) -> None:
         if self._answer_by is None or self.broken or now < self._answer_by or self._call_over():
             return
-        stuck = [self._pool.global_rank(r) for r, p in enumerate(self._parts)
-                 if not p.done and not self._pool.exited(r)]
+        stuck = [self._pool.global_rank(r) for r in self._in_call()]
         if any(p.stopping_at for p in self._parts):
             self._break(f"{ranks_label(stuck)} did not reach the agreed stop step within {STEP_STOP_WAIT_S:g} s "
                         f"of being interrupted; where each rank was:\n{self._pool.stacks()}")
@@ -459,7 +460,7 @@ class CallWatch:
         if self._stop_deadline is not None or self._stop_at is not None:
             return
         gone = [r for r, p in enumerate(self._parts) if p.departure is not None and p.failure is None]
-        waiting = [r for r, p in enumerate(self._parts) if not p.done and not self._pool.exited(r)]
+        waiting = self._in_call()
         if not gone or not waiting:
             self._left_check = None
             return
