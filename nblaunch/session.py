@@ -183,8 +183,7 @@ class Session:
         call number), not a pull or push. Returns the results and the watch
         (whose ``broken`` says whether the ranks must be replaced)."""
         if self.pool is None:  # an earlier restart failed
-            self.restarts += 1
-            self.open()
+            self.restart()
         pool = self.pool
         self._messages += 1
         number = self._messages
@@ -218,15 +217,19 @@ class Session:
         if not watch.broken:
             others = " (the other ranks' calls were interrupted)" if watch.interrupted else ""
             return f"The live ranks are still up and keep their state{others}."
-        self.close()
         try:
-            self.restarts += 1
-            self.open()
+            self.restart()
         except BaseException as exc:  # noqa: BLE001 - said in the note; the next run tries again
             return (f"The ranks could not be kept ({watch.broken}), and starting new ones failed: {exc}. "
                     "The next run tries again.")
         return (f"The session restarted its ranks ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
+
+    def restart(self) -> None:
+        """Replace the live ranks with a new generation (their state is lost)."""
+        self.close()
+        self.restarts += 1
+        self.open()
 
     def close(self) -> None:
         """End the live ranks (safe twice, and from a finalizer)."""
@@ -316,9 +319,7 @@ class Ranks:
         """End the ranks and start new ones (their state is lost)."""
         self._check_usable()
         with one_at_a_time():
-            self._session.close()
-            self._session.restarts += 1
-            self._session.open()
+            self._session.restart()
 
     def close(self) -> None:
         """End the ranks. Closing twice is fine."""
