@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -28,8 +29,21 @@ def _kernel_state():
                                                       signal.SIGUSR1, signal.SIGPIPE)},
         "start method": multiprocessing.get_start_method(allow_none=True),
         "threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
-        "shm": set(os.listdir("/dev/shm")),
+        "shm": {name for name in os.listdir("/dev/shm") if not _another_process(name)},
     }
+
+
+def _another_process(segment: str) -> bool:
+    """A torch segment (``torch_<pid>_...``) made by a live process that is
+    not this one or one of its own: the other pytest worker's, never this
+    launch's (its ranks are gone by the time the state is read again, so a
+    segment one of them left is still counted)."""
+    found = re.match(r"torch_(\d+)_", segment)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    return pid not in ours and psutil.pid_exists(pid)
 
 
 def ok():
