@@ -157,6 +157,11 @@ def test_any_input_gives_a_clear_error_or_a_correct_run(fn, n, args, timeout, me
         # The arguments were valid, fn itself failed in the ranks (e.g. len()).
         assert exc.failures
         return
+    except LaunchTimeout as exc:
+        # A valid timeout shorter than a launch takes here (0.0625 s drawn,
+        # on a loaded machine): the documented outcome, saying which timeout.
+        assert 0 < timeout < 5 and f"within {timeout:g} s" in str(exc)
+        return
     assert isinstance(out, list) and len(out) == n
 
 
