@@ -4,9 +4,10 @@ from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
+from .slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "RankFailure"]
+           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm"]
 __version__ = "0.1.0"
 
 

@@ -49,20 +49,23 @@ class LaunchConfig:
     rdzv_id: str = "nblaunch"
     rdzv_timeout: float = 300.0
     max_restarts: int = 0
+    cluster: Any = None  # None (this machine), "slurm" or nblaunch.Slurm(...): made a Slurm when checked
     addr: str = field(init=False)
     endpoint: Optional[tuple] = field(init=False)
 
     def __post_init__(self):
         _check_ranks(self)
         check_call_options(self.timeout, self.display)
-        endpoint = _check_nodes(self)
+        _check_cluster(self)
+        endpoint = None if self.cluster is not None else _check_nodes(self)
         object.__setattr__(self, "endpoint", endpoint)
         object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
         _check_settings(self.addr)
 
     @property
     def multi_node(self) -> bool:
-        return self.num_nodes > 1
+        """Several machines joined by the elastic rendezvous (each with its own kernel)."""
+        return self.num_nodes > 1 and self.cluster is None
 
 
 def check_call(fn: Callable, args: Any, kwargs: Any) -> tuple[list, dict]:
@@ -115,6 +118,28 @@ def _check_ranks(c: LaunchConfig) -> None:
     s = c.stall_warning
     if s is not None and (isinstance(s, bool) or not isinstance(s, Real) or not s > 0):
         raise ValueError(f"stall_warning must be a positive number of seconds or None, got {s!r}")
+
+
+def _check_cluster(c: LaunchConfig) -> None:
+    """``cluster``: made a :class:`~nblaunch.slurm.Slurm`; ``num_nodes`` then
+    means how many of its nodes (1, the default: all of them)."""
+    if c.cluster is None:
+        return
+    from .slurm import Slurm
+
+    if isinstance(c.cluster, str) and c.cluster.lower() == "slurm":
+        object.__setattr__(c, "cluster", Slurm())
+    elif not isinstance(c.cluster, Slurm):
+        raise ValueError(f"cluster must be None, 'slurm' or nblaunch.Slurm(...), got {c.cluster!r}")
+    if c.rdzv_endpoint is not None or c.node_rank is not None:
+        raise ValueError("cluster=... starts the ranks on every node itself; rdzv_endpoint and node_rank are for "
+                         "a launch run by hand on each machine. Leave them out.")
+    if isinstance(c.num_nodes, bool) or not isinstance(c.num_nodes, int) or c.num_nodes < 1:
+        raise ValueError(f"num_nodes must be a positive int, got {c.num_nodes!r}")
+    if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {c.max_restarts!r}")
+    if c.num_nodes > 1 and c.cluster.nodes is not None and c.cluster.nodes != c.num_nodes:
+        raise ValueError(f"num_nodes={c.num_nodes} and Slurm(nodes={c.cluster.nodes}) disagree; give one of them")
 
 
 def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:

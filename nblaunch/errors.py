@@ -173,6 +173,12 @@ def node_ended(first_rank: int, node: int, time: float, what: str) -> RankFailur
     return RankFailure(first_rank, "node", time, message=what, node=node)
 
 
+def node_lost(rank: int, node: Optional[int], time: float, what: str) -> RankFailure:
+    """A cluster launch's rank whose machine left (its agent's connection
+    closed, or the engine ended its node): ``what`` names the machine and why."""
+    return RankFailure(rank, "node", time, message=what, node=node)
+
+
 MAX_RECORD_TRACEBACK = 65536
 
 

@@ -32,6 +32,7 @@ def notebook_launcher(
     rdzv_id: str = "nblaunch",
     rdzv_timeout: float = 300.0,
     max_restarts: int = 0,
+    cluster=None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -68,13 +69,20 @@ def notebook_launcher(
     reach (default: the one it uses to reach ``rdzv_endpoint``).
     ``max_restarts``: after a rank fails, start every rank (on every node)
     again this many times before raising.
+
+    ``cluster="slurm"`` (or ``nblaunch.Slurm(...)``): ``num_processes`` ranks
+    on every node of the SLURM allocation the kernel runs in (``num_nodes``
+    of them, if given), started by ``srun``, one view for all of them, and
+    the results of every rank. Outside an allocation, ``Slurm(nodes=2, ...)``
+    asks SLURM for one and gives it back at the end.
     """
     args, kwargs = check_call(fn, args, kwargs)
     config = LaunchConfig(
         num_processes, start_method=start_method, backend=backend, init_process_group=init_process_group,
         master_addr=master_addr, threads_per_rank=threads_per_rank, timeout=timeout, display=display,
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-        rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts)
+        rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
+        cluster=cluster)
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "

@@ -44,6 +44,10 @@ def pg_timeout_for(timeout: Optional[float]) -> float:
 def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
     """Start method, backend, threads and the ranks' common spec."""
     n = config.num_processes
+    if config.cluster is not None:
+        # Each node's agent plans its own ranks (agent.py); the kernel starts none.
+        return RankPlan("fork", None, None if not config.init_process_group else config.backend, None,
+                        pg_timeout_for(None if live else config.timeout), {})
     method, reason = choose_start_method(config.start_method)
     backend = _resolve_backend(config.backend, n) if config.init_process_group else None
     threads = config.threads_per_rank or default_threads(n)

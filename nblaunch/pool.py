@@ -39,7 +39,7 @@ from .nodes import Nodes, Placement
 from .stacks import collect, collectives, format_stacks
 from .worker import WorkerSpec, run_worker
 
-__all__ = ["RankPool", "LocalPool", "Lines", "Rewriting", "Message", "Exited"]
+__all__ = ["RankPool", "LocalPool", "Lines", "Rewriting", "Message", "Exited", "Lost"]
 
 TEARDOWN_WAIT_S = 2.0  # the most any wait in teardown takes
 TAIL_LINES = 40
@@ -78,7 +78,15 @@ class Exited:
     exitcode: int
 
 
-PoolEvent = Union[Lines, Rewriting, Message, Exited]
+@dataclass(frozen=True)
+class Lost:
+    """The rank's machine left the launch (its agent's connection closed, or
+    the engine ended it): ``why`` says what is known. An ``Exited`` follows."""
+    rank: int
+    why: str
+
+
+PoolEvent = Union[Lines, Rewriting, Message, Exited, Lost]
 
 
 class RankPool(abc.ABC):
@@ -102,6 +110,16 @@ class RankPool(abc.ABC):
     @abc.abstractmethod
     def poll(self, timeout: float) -> list[PoolEvent]:
         ...
+
+    spans_nodes = False  # True: one pool for the ranks of several machines (a cluster launch)
+
+    def host(self, rank: int) -> Optional[str]:
+        """The machine a rank runs on, where the pool spans several."""
+        return None
+
+    def usage(self, sampler) -> Optional[dict]:
+        """Each running rank's resources, at most every sampler interval (None between)."""
+        return sampler.sample(self.running_pids())
 
     @abc.abstractmethod
     def send(self, rank: int, message: Any) -> bool:
@@ -312,7 +330,9 @@ class LocalPool(RankPool):
 
     # -- reading -----------------------------------------------------------------
 
-    def poll(self, timeout: float) -> list[PoolEvent]:
+    def poll(self, timeout: float, also: tuple = ()) -> list[PoolEvent]:
+        """What happened within ``timeout``; ``also``: more handles whose
+        readiness ends the wait (a node agent's connection to the kernel)."""
         handles: dict[Any, tuple[_Proc, Callable]] = {}
         for p in self._procs:
             if p.exited or p.proc.pid is None:
@@ -323,10 +343,12 @@ class LocalPool(RankPool):
                 handles[p.output] = (p, self._read_output)
             handles[p.proc.sentinel] = (p, self._read_exit)
         out: list[PoolEvent] = []
-        if not handles:
+        if not handles and not also:
             time.sleep(timeout)
             return out
-        for ready in wait(list(handles), timeout=timeout):
+        for ready in wait(list(handles) + list(also), timeout=timeout):
+            if ready not in handles:
+                continue
             p, read = handles[ready]
             if not p.exited:
                 read(p, out)

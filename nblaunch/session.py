@@ -37,7 +37,9 @@ from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .nodes import NodeGroup, SingleNode
 from .payload import CloudJob, check_sendable
 from .plan import RankPlan, plan_ranks
-from .pool import LocalPool
+from .cluster import AgentPool
+from .pool import LocalPool, RankPool
+from .slurm import SlurmEngine
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -87,7 +89,11 @@ class Session:
         self.config = config
         self.live = live
         self.plan: RankPlan = plan_ranks(config, live=live)
-        self.pool: Optional[LocalPool] = None
+        # A cluster engine finds its nodes now: no allocation is a clear error before anything starts.
+        self.engine = SlurmEngine(config.cluster, config.num_nodes if config.num_nodes > 1 else None) \
+            if config.cluster is not None else None
+        self.world_size = config.num_processes * (self.engine.num_nodes if self.engine else 1)
+        self.pool: Optional[RankPool] = None
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
         self._nodes: Any = None  # live ranks: the current generation's
@@ -98,7 +104,7 @@ class Session:
     def launch(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
         """``fn`` on fresh ranks; their results, or the error of the last attempt."""
         c, plan = self.config, self.plan
-        if plan.forked:
+        if plan.forked and self.engine is None:
             job: Any = (fn, tuple(args), kwargs)  # inherited as it is: nothing is pickled
         else:
             check_sendable(fn, args, kwargs)
@@ -123,6 +129,8 @@ class Session:
             raise AssertionError("unreachable")
         finally:
             nodes.close()
+            if self.engine is not None:
+                self.engine.close()
             if global_method is None:
                 # Starting spawn/forkserver processes makes multiprocessing fix
                 # its global default as a side effect; the kernel had none.
@@ -131,11 +139,11 @@ class Session:
     def _attempt(self, job: Any, nodes, attempt: int, notices: list[str]) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
         c = self.config
-        pool = LocalPool(self.plan, nodes, job=job, attempt=attempt)
+        pool = self._new_pool(nodes, job, attempt)
         view, outcome = None, "failed"
         try:  # from here on, an interrupt anywhere leaves nothing open
             view = make_display(c.display, show_after=SHOW_AFTER_S)
-            view.begin(c.num_processes, self.plan.method, self.plan.backend or "", str(pool.log_dir))
+            view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
             watch = CallWatch(pool, view, 0, keep_ranks=False, timeout=c.timeout, stall_warning=c.stall_warning,
@@ -163,9 +171,9 @@ class Session:
         process group (its call 0). Raises ``WorkerError`` if one cannot."""
         c = self.config
         nodes = SingleNode(c.addr, c.num_processes, self.plan.pg_timeout)
-        pool = LocalPool(self.plan, nodes, job=None)
+        pool = self._new_pool(nodes, None, self.restarts)
         view = TextDisplay(show_status=False)  # set-up prints (warnings) only
-        view.begin(c.num_processes, self.plan.method, self.plan.backend or "", str(pool.log_dir))
+        view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir))
         for text in filter(None, [self.plan.notice, pool.notice]):
             view.notice(text)
         watch = CallWatch(pool, view, 0, keep_ranks=True)
@@ -189,7 +197,7 @@ class Session:
         number = self._messages
         view = make_display(display, show_after=SHOW_AFTER_S)
         name = f"call {self.runs + counted}"
-        view.begin(self.config.num_processes, self.plan.method, self.plan.backend or "", str(pool.log_dir),
+        view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir),
                    call=self.runs + counted if counted else 0)
         watch = CallWatch(pool, view, number, keep_ranks=True, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
@@ -225,6 +233,13 @@ class Session:
         return (f"The session restarted its ranks ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
 
+    def _new_pool(self, nodes, job: Any, attempt: int) -> RankPool:
+        """A generation of ranks: here, or on the engine's nodes."""
+        if self.engine is None:
+            return LocalPool(self.plan, nodes, job=job, attempt=attempt)
+        return AgentPool(self.config, self.engine, job=job, attempt=attempt, live=self.live,
+                         pg_timeout=self.plan.pg_timeout)
+
     def restart(self) -> None:
         """Replace the live ranks with a new generation (their state is lost)."""
         self.close()
@@ -237,16 +252,29 @@ class Session:
         if pool is not None:
             _shut(pool, self._nodes)
 
+    def end(self) -> None:
+        """Close the ranks for good, and give back what the engine holds (an allocation it asked for)."""
+        try:
+            self.close()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
 
-def _place(pool: LocalPool, view, num_nodes: int) -> None:
+
+def _place(pool: RankPool, view, num_nodes: int) -> None:
     """Start the pool's ranks and show where they sit in the job."""
-    if num_nodes > 1:
+    if pool.spans_nodes:
+        pool.prepare(view.notice, view.tick)
+    elif num_nodes > 1:
         view.notice(f"waiting for {num_nodes} nodes to join")
     pl = pool.start(tick=view.tick)
-    view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
+    if pool.spans_nodes:
+        view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)])
+    else:
+        view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
 
 
-def _shut(pool: LocalPool, nodes) -> None:
+def _shut(pool: RankPool, nodes) -> None:
     """Ask every rank to leave, kill what has not within ``CLOSE_WAIT_S``, release everything."""
     for rank in range(pool.size):
         pool.send(rank, CLOSE)
@@ -263,7 +291,7 @@ class _Generation:
         self.session = session
 
     def close(self) -> None:
-        self.session.close()
+        self.session.end()
 
 
 class Ranks:
@@ -278,8 +306,8 @@ class Ranks:
     """
 
     def __init__(self, config: LaunchConfig):
-        self.num_processes = config.num_processes
         self._session = Session(config, live=True)
+        self.num_processes = self._session.world_size
         self._finalizer = weakref.finalize(self, _Generation(self._session).close)
         self._closed = False
         self._session.open()
@@ -324,7 +352,7 @@ class Ranks:
     def close(self) -> None:
         """End the ranks. Closing twice is fine."""
         self._closed = True
-        self._session.close()
+        self._session.end()
 
     @property
     def restarts(self) -> int:
@@ -342,7 +370,7 @@ class Ranks:
     @property
     def pids(self) -> list[int]:
         pool = self._session.pool
-        return pool.pids if pool is not None else []
+        return list(getattr(pool, "pids", [])) if pool is not None else []
 
     @property
     def status(self) -> str:
@@ -429,7 +457,7 @@ def _pull_on(name: str, rank: Optional[int]):
 def start(num_processes: int, *, start_method: str = "auto", backend: str = "auto",
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
-          stall_warning: Optional[float] = 60.0) -> Ranks:
+          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -437,11 +465,14 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     ``run`` calls. One session per kernel at a time; ``notebook_launcher``
     still works while one is up (not at the same moment as a call). Use it as
     a context manager, or ``close()`` it; it also ends with the kernel.
+    ``cluster="slurm"`` (and ``num_nodes``): ranks on the nodes of a SLURM
+    allocation, as ``notebook_launcher`` has them.
     """
     global _active
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
-                          threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning)
+                          threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
+                          cluster=cluster, num_nodes=num_nodes)
     if worker.current_spec() is not None:
         raise LaunchError("nblaunch.start was called inside a rank; start live ranks from the notebook")
     up = active()

@@ -28,7 +28,7 @@ from . import errors
 from .channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Result, Started, Stopping
 from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures, left_early,
                      render_interrupt)
-from .pool import Exited, Lines, Message, RankPool, Rewriting
+from .pool import Exited, Lines, Lost, Message, RankPool, Rewriting
 from .resources import Sampler, gpu_devices
 from .worker import max_result_bytes
 
@@ -146,7 +146,7 @@ class CallWatch:
         t0 = time.monotonic()
         try:
             begin()
-            self._sampler = Sampler(gpu_devices(list(range(self._pool.size))))
+            self._sampler = Sampler({} if self._pool.spans_nodes else gpu_devices(list(range(self._pool.size))))
             if self._job_size > LARGE_JOB_BYTES:
                 self._view.notice(
                     f"the job (fn, its arguments and what it captures) is {self._job_size / 2**20:.1f} MB per "
@@ -204,7 +204,7 @@ class CallWatch:
         self._check_other_nodes()
         self._check_answers(now)
         if self._sampler is not None:
-            usage = self._sampler.sample(self._pool.running_pids())
+            usage = self._pool.usage(self._sampler)
             if usage:
                 self._view.resources(usage)
         self._view.tick()
@@ -221,6 +221,9 @@ class CallWatch:
                 self._on_event(item.rank, item.event)
             elif isinstance(item, Exited):
                 self._on_exit(item.rank, item.exitcode)
+            elif isinstance(item, Lost) and not self._parts[item.rank].done:
+                self._fail(item.rank, errors.node_lost(self._pool.global_rank(item.rank), self._pool.node(item.rank),
+                                                       time.time(), item.why))
 
     def _on_event(self, rank: int, event) -> None:
         part = self._parts[rank]

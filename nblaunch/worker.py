@@ -615,8 +615,9 @@ def _wait_for_peers_joined(spec: WorkerSpec) -> None:
 
 
 def _load(spec: WorkerSpec, job: Any) -> tuple:
-    """A forked rank inherits the job as objects; other ranks get it packed."""
-    return job if spec.forked else job.load()
+    """A rank forked from the kernel inherits the job as objects; other ranks
+    (and ranks a node agent forked) get it packed."""
+    return job if isinstance(job, tuple) else job.load()
 
 
 def _dump_result(rank: int, value: Any) -> tuple[bytes, int]:

@@ -49,8 +49,9 @@ class View:
     def show(self) -> None:
         """Once the ranks are started: build what is to be built."""
 
-    def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int) -> None:
-        self.state.place(first_rank, world_size, node, num_nodes)
+    def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int,
+              hosts: Optional[list] = None) -> None:
+        self.state.place(first_rank, world_size, node, num_nodes, hosts)
 
     def rank_phase(self, rank: int, phase: str) -> None:
         self.state.set_phase(rank, phase)

@@ -120,8 +120,9 @@ class RankState:
             parts.append(f"\u00b7 peak mem {_size(self.peak_rss)}{gpu}")
         return sep.join(parts)
 
-    def line(self, rank: int, now: float = 0.0) -> str:
-        return f"rank {rank} {self.detail()}"
+    def line(self, name: str, now: float = 0.0) -> str:
+        """``name`` (``rank 3``, see ``LaunchState.row_name``) and what the rank is doing."""
+        return f"{name} {self.detail()}"
 
 
 class LaunchState:
@@ -136,6 +137,7 @@ class LaunchState:
         self.first_rank = 0  # global rank of this node's local rank 0
         self.node: Optional[int] = None  # this node, in a multi-node launch
         self.num_nodes = 1
+        self.hosts: Optional[list] = None  # a cluster launch: each row's machine
         self.t0 = time.monotonic()
         self.ranks: list[RankState] = []
         self.series: dict[str, dict[int, list]] = collections.defaultdict(dict)
@@ -148,10 +150,18 @@ class LaunchState:
         self.call = call
         self.ranks = [RankState() for _ in range(world_size)]
 
-    def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int) -> None:
-        """Once the nodes have met: this node's ranks are ``first_rank`` on."""
+    def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int,
+              hosts: Optional[list] = None) -> None:
+        """Once the nodes have met: this node's ranks are ``first_rank`` on
+        (``hosts``: a cluster launch's rows, each rank's machine)."""
         self.first_rank, self.world_size, self.node, self.num_nodes = first_rank, world_size, node, num_nodes
+        self.hosts = hosts
         self.changed = True
+
+    def row_name(self, local: int) -> str:
+        """``rank 3``, or ``rank 3 · n2`` when ranks run on several machines."""
+        host = self.hosts[local] if self.hosts and local < len(self.hosts) else None
+        return f"rank {self.label(local)}" + (f" · {host}" if host else "")
 
     @property
     def title(self) -> str:
@@ -164,6 +174,8 @@ class LaunchState:
     @property
     def where(self) -> str:
         """``4 ranks`` or ``4 ranks, node 1 of 2``."""
+        if self.hosts:
+            return f"{self.world_size} ranks on {self.num_nodes} nodes"
         return f"{self.world_size} ranks" + (f", node {self.node} of {self.num_nodes}" if self.node is not None else "")
 
     def elapsed(self) -> float:
@@ -224,7 +236,7 @@ class LaunchState:
 
     def summary(self) -> str:
         now = time.monotonic()
-        return " | ".join(r.line(self.label(i), now) for i, r in enumerate(self.ranks))
+        return " | ".join(r.line(self.row_name(i), now) for i, r in enumerate(self.ranks))
 
     @property
     def has_progress(self) -> bool:

@@ -138,7 +138,7 @@ class WidgetDisplay(View):
         st = self.state
         lines = [f"{st.title}: {st.state} | {st.where}, {st.method}, {st.backend or 'no process group'}, "
                  f"{st.elapsed():.1f} s"]
-        lines += [f"  {r.line(st.label(i))}" for i, r in enumerate(st.ranks)]
+        lines += [f"  {r.line(st.row_name(i))}" for i, r in enumerate(st.ranks)]
         lines += [f"  {notice}" for notice in st.notices[-3:]]
         if st.tail:  # terminal readers (jupyter execute, papermill, nbval, a diff) see what ranks printed
             shown = list(st.tail)[-TEXT_TAIL_LINES:]
@@ -169,7 +169,7 @@ class WidgetDisplay(View):
         if not st.changed:
             return
         st.changed = False
-        rows = [_bar_row(f"rank {st.label(i)}", _fraction(r), r.status, r.detail(sep=_PART),
+        rows = [_bar_row(st.row_name(i), _fraction(r), r.status, r.detail(sep=_PART),
                          warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
                 for i, r in enumerate(st.ranks)]
         if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand

@@ -1,0 +1,217 @@
+"""A node agent: ``python -m nblaunch.agent``, one per node of a cluster launch.
+
+The cluster engine starts it (SLURM's ``srun``; a Ray actor), with the
+kernel's address and the launch's secret in its environment. It connects
+(:mod:`nblaunch.link`), says which node it is, receives the launch (the
+config, the job, where its ranks sit in the job), starts its node's ranks
+as a :class:`~nblaunch.pool.LocalPool` does on one machine (fork, from this
+fresh process that never ran OpenMP or CUDA), and then relays: what the
+ranks send and print goes to the kernel as the pool reports it, and the
+kernel's verbs (send, signal, interrupt, stacks, stop, drain, close) are
+applied to the pool. When the kernel goes away (its connection closes, the
+kernel was killed) or SLURM ends the step (SIGTERM), it stops its ranks and
+leaves: nothing outlives the launch on any node.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+__all__ = ["main", "Placed", "relayable"]
+
+POLL_S = 0.05
+
+
+class Placed:
+    """The node's place in the job, decided by the kernel (``nodes.Nodes``)."""
+
+    def __init__(self, placement):
+        self.placement = placement
+        self.num_nodes = 1  # joined already: nothing to wait for here
+
+    def join(self, attempt: int):
+        return self.placement
+
+    def publish(self, failure) -> None:
+        pass
+
+    def poll(self, force: bool = False):
+        return None
+
+    def finish(self, succeeded: bool):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def relayable(item: Any, pool) -> Any:
+    """A pool event as it can cross to another machine: a result whose
+    tensors sit in this node's shared memory is fetched here and pickled by
+    value (the rank is then released)."""
+    from .channel import RELEASE, Result
+    from .pool import Message
+
+    if not (isinstance(item, Message) and isinstance(item.event, Result) and item.event.shared):
+        return item
+    import cloudpickle
+
+    event = item.event
+    try:
+        payload = cloudpickle.dumps(pickle.loads(event.payload))
+    except Exception:  # noqa: BLE001 - the kernel's unpickling then says what is wrong
+        payload = event.payload
+    finally:
+        pool.send(item.rank, RELEASE)
+    return Message(item.rank, dataclasses.replace(event, payload=payload, shared=0))
+
+
+class _Agent:
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.pool = None
+        self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
+        self._sampler = None
+
+    def run(self) -> int:
+        from .pool import LocalPool
+
+        while True:
+            try:
+                kind, *rest = self.conn.recv()
+            except (EOFError, OSError):
+                return 0
+            if kind == "setup":
+                self.pool = LocalPool(*self._plan(rest[0]))
+                break
+            if kind == "close":
+                return 0
+        try:
+            self.pool.start()
+            self._send(("started", self.pool.log_dir.as_posix()))
+            return self._relay()
+        finally:
+            self.pool.close()
+
+    def _plan(self, setup: dict) -> tuple:
+        from .plan import plan_ranks
+        from .resources import Sampler, gpu_devices
+
+        config = setup["config"]
+        node_config = dataclasses.replace(config, cluster=None, master_addr=setup["node_addr"],
+                                          backend=setup["backend"] or config.backend)
+        plan = plan_ranks(node_config, live=setup["live"])
+        self._sampler = Sampler(gpu_devices(list(range(config.num_processes))))
+        return plan, Placed(setup["placement"]), setup["job"], setup["attempt"]
+
+    def _relay(self) -> int:
+        pool, conn = self.pool, self.conn
+        while True:
+            items = pool.poll(POLL_S, also=[conn])
+            if self.ending is not None:
+                self._send(("bye", self.ending))
+                pool.stop(2.0)
+                self._send(("events", [relayable(i, pool) for i in items + pool.poll(0) + pool.drain()]))
+                return 0
+            if items:
+                self._send(("events", [relayable(i, pool) for i in items]))
+            usage = self._sampler.sample(pool.running_pids())
+            if usage:
+                self._send(("usage", usage))
+            while conn.poll(0):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    pool.stop(2.0)  # the kernel is gone
+                    return 0
+                if self._apply(message):
+                    return 0
+
+    def _apply(self, message: tuple) -> bool:
+        """One verb from the kernel; True when it says to leave."""
+        from .channel import RELEASE
+
+        pool = self.pool
+        kind, *args = message
+        if kind == "send":
+            local, what = args
+            if what != RELEASE:  # results were released here, once fetched
+                pool.send(local, what)
+        elif kind == "signal":
+            pool.signal(*args)
+        elif kind == "interrupt":
+            pool.interrupt(*args)
+        elif kind == "kill_orphans":
+            pool.kill_orphans()
+        elif kind == "stop":
+            pool.stop(*args)
+        elif kind == "stacks":
+            rid, locals_ = args
+            self._send(("reply", rid, pool.stacks(locals_)))
+        elif kind == "collectives":
+            rid, locals_ = args
+            self._send(("reply", rid, pool.collectives(locals_)))
+        elif kind == "drain":
+            (rid,) = args
+            self._send(("events", [relayable(i, pool) for i in pool.drain()]))
+            self._send(("reply", rid, None))
+        elif kind == "close":
+            return True
+        return False
+
+    def _send(self, message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):
+            pass  # the kernel is gone: the next read says so
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nblaunch.agent", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--node-var", default="", help="the variable holding this node's index")
+    parser.add_argument("--name-var", default="", help="the variable holding this node's name")
+    opts = parser.parse_args(argv)
+    from . import link
+    from .nodes import route_address
+
+    secret = bytes.fromhex(os.environ.pop(link.SECRET_ENV, ""))
+    address = os.environ.pop(link.ADDRESS_ENV, "")
+    if not secret or not address:
+        parser.error(f"{link.SECRET_ENV} and {link.ADDRESS_ENV} must be set (the kernel sets them)")
+    host, port = address.rsplit(":", 1)
+    agent: Optional[_Agent] = None
+
+    def end(signum, frame) -> None:
+        if agent is not None and agent.ending is None:
+            agent.ending = f"was ended by {signal.Signals(signum).name} (its SLURM step or job was cancelled?)"
+
+    signal.signal(signal.SIGTERM, end)
+    signal.signal(signal.SIGINT, end)
+    # What every rank needs, imported once here before the ranks are forked
+    # (a fresh process: no OpenMP pool, no CUDA), while the other nodes start.
+    import cloudpickle  # noqa: F401
+    import torch
+
+    from . import worker  # noqa: F401
+
+    conn = link.connect((host.strip("[]"), int(port)), secret)
+    agent = _Agent(conn)
+    conn.send({"node": int(os.environ.get(opts.node_var, "0") or 0),
+               "name": os.environ.get(opts.name_var) or socket.gethostname(),
+               "addr": route_address(host.strip("[]"), int(port)), "pid": os.getpid(),
+               "gpus": torch.cuda.device_count()})
+    try:
+        return agent.run()
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The SLURM engine: ranks on the nodes of a SLURM allocation.
+
+SLURM starts the processes, nblaunch never does it by ssh: one ``srun`` step
+runs an nblaunch agent (:mod:`nblaunch.agent`) on each node, and each agent
+starts its node's ranks and talks to the kernel over the authenticated
+channel (:mod:`nblaunch.link`). The kernel may run inside the allocation (a
+Jupyter server started by ``sbatch``/``salloc``, Open OnDemand, batchspawner):
+its nodes are used. Outside one, :class:`Slurm` with ``nodes`` asks SLURM for
+an allocation (``salloc --no-shell``), shows its state while it is pending,
+and gives it back (``scancel``) when the launch or the live ranks end.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .errors import LaunchError
+
+__all__ = ["Slurm", "SlurmEngine"]
+
+SCONTROL_TIMEOUT_S = 30.0
+PENDING_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """``cluster=nblaunch.Slurm(...)``: ranks on the nodes of a SLURM allocation.
+
+    In a kernel that runs inside an allocation (``$SLURM_JOB_ID`` is set, or
+    ``job`` names one), its nodes are used: every node, or the first
+    ``nodes`` of them. Outside one, ``nodes`` is required and SLURM is asked
+    for an allocation (``salloc --no-shell -N nodes``, with ``partition``,
+    ``time`` and ``extra_args``); the view shows it while it is pending, and
+    it is given back when the launch (or the live ranks) end. ``srun_args``
+    are added to the ``srun`` that starts the agents (``--gres=gpu:4``...).
+    """
+
+    nodes: Optional[int] = None
+    partition: Optional[str] = None
+    time: Optional[str] = None
+    extra_args: Sequence[str] = ()
+    job: Optional[str] = None
+    srun_args: Sequence[str] = ()
+
+    def __post_init__(self):
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
+                                       or self.nodes < 1):
+            raise ValueError(f"Slurm(nodes=...) must be a positive int or None, got {self.nodes!r}")
+        for name in ("partition", "time", "job"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"Slurm({name}=...) must be a non-empty string or None, got {value!r}")
+        for name in ("extra_args", "srun_args"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(a, str) for a in value):
+                raise TypeError(f"Slurm({name}=...) must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+
+
+def _slurm_command(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise LaunchError(f"cluster='slurm' needs SLURM's `{name}` command, and it is not on this machine's "
+                          "PATH. Run the notebook on a SLURM cluster's login or compute node.")
+    return path
+
+
+def _run(args: list[str]) -> str:
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`{' '.join(args)}` did not answer within {SCONTROL_TIMEOUT_S:.0f} s: "
+                          "is slurmctld up?") from None
+    if done.returncode != 0:
+        raise LaunchError(f"`{' '.join(args)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def _job_fields(job: str) -> dict[str, str]:
+    text = _run([_slurm_command("scontrol"), "show", "job", "-o", job])
+    return dict(item.split("=", 1) for item in text.split() if "=" in item)
+
+
+class SlurmEngine:
+    """The nodes of one allocation, and the ``srun`` step of agents on them."""
+
+    name = "slurm"
+
+    def __init__(self, spec: Slurm, num_nodes: Optional[int]):
+        self.spec = spec
+        _slurm_command("srun")
+        self._job = spec.job or os.environ.get("SLURM_JOB_ID")
+        self._ours = False  # the allocation was asked for by us: given back at close
+        self._want = spec.nodes or num_nodes
+        self.hosts: list[str] = []
+        self.addrs: list[str] = []
+        self._cpus = 1
+        if self._job is None and self._want is None:
+            raise LaunchError(
+                "cluster='slurm' runs ranks on the nodes of a SLURM allocation, and this kernel is not in "
+                "one ($SLURM_JOB_ID is not set). Start the notebook inside an allocation (salloc, sbatch, "
+                "Open OnDemand), or ask for one: cluster=nblaunch.Slurm(nodes=2, partition=..., time=...).")
+        if self._job is not None:
+            self._read_allocation()
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.hosts) if self.hosts else int(self._want)
+
+    @property
+    def label(self) -> str:
+        return f"SLURM job {self._job}"
+
+    # -- the allocation ----------------------------------------------------------
+
+    def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
+        """Have an allocation: the kernel's, or one asked for now (waiting,
+        and saying so, while SLURM keeps it pending)."""
+        if self._job is not None:
+            return
+        args = [_slurm_command("salloc"), "--no-shell", f"--nodes={self._want}", "--job-name=nblaunch"]
+        if self.spec.partition:
+            args.append(f"--partition={self.spec.partition}")
+        if self.spec.time:
+            args.append(f"--time={self.spec.time}")
+        args += list(self.spec.extra_args)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=_without_job_vars(os.environ), start_new_session=True)
+        said, last_poll, output = "", 0.0, []
+        try:
+            os.set_blocking(proc.stdout.fileno(), False)
+            while True:
+                chunk = proc.stdout.read() or ""
+                output.append(chunk)
+                found = re.search(r"job allocation (\d+)", "".join(output))
+                if found and self._job is None:
+                    self._job = found.group(1)
+                    self._ours = True
+                if proc.poll() is not None:
+                    output.append(proc.stdout.read() or "")
+                    break
+                if self._job is not None and time.monotonic() - last_poll > PENDING_POLL_S:
+                    last_poll = time.monotonic()
+                    state = self._pending_state()
+                    if state and state != said:
+                        notice(f"waiting for {self.label}: {state}")
+                        said = state
+                tick()
+                time.sleep(0.1)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            self.close()
+            raise
+        text = "".join(output)
+        found = re.search(r"job allocation (\d+)", text)
+        if found:
+            self._job, self._ours = found.group(1), True
+        if proc.returncode != 0 or self._job is None:
+            self.close()
+            raise LaunchError(f"SLURM did not grant an allocation of {self._want} nodes: {text.strip()}")
+        self._read_allocation()
+
+    def _pending_state(self) -> str:
+        try:
+            fields = _job_fields(self._job)
+        except LaunchError:
+            return ""
+        state, reason = fields.get("JobState", ""), fields.get("Reason", "None")
+        return state + (f" ({reason})" if reason not in ("None", "(null)") else "")
+
+    def _read_allocation(self) -> None:
+        fields = _job_fields(self._job)
+        if fields.get("JobState") != "RUNNING":
+            raise LaunchError(f"{self.label} is {fields.get('JobState', 'unknown')}, not running: its nodes "
+                              "cannot be used")
+        hosts = _run([_slurm_command("scontrol"), "show", "hostnames", fields["NodeList"]]).split()
+        want = self._want or len(hosts)
+        if want > len(hosts):
+            raise LaunchError(f"{want} nodes were asked for, and {self.label} has {len(hosts)} "
+                              f"({', '.join(hosts)})")
+        self.hosts = hosts[:want]
+        self.addrs = [self._node_addr(h) for h in self.hosts]
+        cpus, nodes = int(fields.get("NumCPUs", "1")), int(fields.get("NumNodes", "1"))
+        self._cpus = max(1, cpus // max(1, nodes))
+
+    @staticmethod
+    def _node_addr(host: str) -> str:
+        """Where the node is reached: SLURM's ``NodeAddr`` (node names need not resolve)."""
+        text = _run([_slurm_command("scontrol"), "show", "node", "-o", host])
+        found = re.search(r"\bNodeAddr=(\S+)", text)
+        return found.group(1) if found else host
+
+    # -- the agents --------------------------------------------------------------
+
+    def agent_command(self) -> list[str]:
+        """One task per node, each an agent given the node's CPUs (``--overlap``:
+        the kernel's own step, when it runs in one, keeps its share)."""
+        return [_slurm_command("srun"), f"--jobid={self._job}", "--overlap", f"--nodes={self.num_nodes}",
+                f"--ntasks={self.num_nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self._cpus}",
+                f"--nodelist={','.join(self.hosts)}", "--kill-on-bad-exit=0", "--job-name=nblaunch-agents",
+                *self.spec.srun_args,
+                sys.executable, "-m", "nblaunch.agent", "--node-var", "SLURM_PROCID", "--name-var", "SLURMD_NODENAME"]
+
+    def start_agents(self, env: dict, log_path: str) -> subprocess.Popen:
+        """The ``srun`` step, its output to ``log_path``. The agents get the
+        kernel's environment (srun's default ``--export=ALL``) without the
+        kernel's own SLURM task variables, which would set srun's defaults
+        (``SLURM_NTASKS=1`` from the kernel's step refuses two nodes)."""
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(self.agent_command(), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env={**_without_job_vars(os.environ), **env},
+                                    start_new_session=True)
+
+    def close(self) -> None:
+        """Give back an allocation nblaunch asked for (the kernel's own is kept)."""
+        if self._ours and self._job is not None:
+            self._ours = False
+            try:
+                subprocess.run([_slurm_command("scancel"), self._job], capture_output=True,
+                               timeout=SCONTROL_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, LaunchError):
+                pass
+
+
+def _without_job_vars(environ) -> dict:
+    """The environment without SLURM's job and task variables (``SLURM_CONF`` stays)."""
+    return {k: v for k, v in environ.items()
+            if not (k.startswith(("SLURM_", "SLURMD_", "SRUN_", "SALLOC_", "SBATCH_")) and k != "SLURM_CONF")}
