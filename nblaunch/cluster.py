@@ -80,6 +80,7 @@ class AgentPool(RankPool):
         self._srun: Optional[subprocess.Popen] = None
         self._store = None
         self._closed = False
+        self.backend: Optional[str] = None  # decided at start, from every node's GPUs
 
     # -- starting ----------------------------------------------------------------
 
@@ -96,7 +97,7 @@ class AgentPool(RankPool):
         self._srun = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
                                          str(self.log_dir / "agents.log"))
         hellos = self._gather(tick)
-        backend = self._backend([h["gpus"] for h in hellos])
+        backend = self.backend = self._backend([h["gpus"] for h in hellos])
         self._store, port = host_store(lhost, self.size, self._pg_timeout)
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
@@ -142,6 +143,19 @@ class AgentPool(RankPool):
         if time.monotonic() > deadline:
             raise LaunchError(f"the nodes' agents did not {what} within {AGENTS_START_S:.0f} s; srun's output:\n"
                               f"{self._agents_log()}")
+
+    def _engine_news(self) -> str:
+        """What the engine said when an agent vanished without a word (a
+        cancelled step's agents get SIGKILL: srun then reports it)."""
+        if self._srun is None:
+            return ""
+        try:
+            self._srun.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        said = [line.strip() for line in self._agents_log().splitlines()
+                if "CANCELLED" in line or "error:" in line or "DUE TO" in line]
+        return f"was ended by SLURM ({said[0]})" if said else ""
 
     def _agents_log(self) -> str:
         try:
@@ -215,7 +229,7 @@ class AgentPool(RankPool):
         """The agent's connection closed: each of its ranks still up is lost."""
         agent.open = False
         agent.conn.close()
-        why = f"({agent.name}) {agent.why or 'was lost: its agent connection closed'}"
+        why = f"({agent.name}) {agent.why or self._engine_news() or 'was lost: its agent connection closed'}"
         first = agent.node * self.per_node
         for r in range(first, first + self.per_node):
             if not self._ranks[r].exited:
@@ -237,14 +251,19 @@ class AgentPool(RankPool):
             return False
 
     def _by_node(self, ranks) -> dict:
+        """Node -> its local ranks among ``ranks`` (nodes whose agent never connected left out)."""
         groups: dict = {}
         for r in ranks:
+            if r // self.per_node >= len(self._agents):
+                continue
             groups.setdefault(r // self.per_node, []).append(r % self.per_node)
         return groups
 
     def send(self, rank: int, message: Any) -> bool:
         if message == RELEASE:
             return True  # the agent released the rank when it fetched the result
+        if rank // self.per_node >= len(self._agents):
+            return False
         return self._tell(self._agent_of(rank), ("send", rank % self.per_node, message))
 
     def signal(self, sig: int, ranks: list[int]) -> None:
@@ -256,7 +275,8 @@ class AgentPool(RankPool):
             self._tell(agent, ("kill_orphans",))
 
     def interrupt(self, rank: int, how: str) -> None:
-        self._tell(self._agent_of(rank), ("interrupt", rank % self.per_node, how))
+        if rank // self.per_node < len(self._agents):
+            self._tell(self._agent_of(rank), ("interrupt", rank % self.per_node, how))
 
     def _ask(self, node: int, verb: str, *args) -> Any:
         """An agent's answer; what else it sends meanwhile is kept for the next poll."""
@@ -325,9 +345,14 @@ class AgentPool(RankPool):
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not all(r.exited for r in self._ranks) and time.monotonic() < deadline:
+        while self._up() and time.monotonic() < deadline:
             self._buffer += self._read(0.05)
-        return all(r.exited for r in self._ranks)
+        return not self._up()
+
+    def _up(self) -> list[int]:
+        """Ranks that may still run: not exited, on a node whose agent is connected."""
+        return [r for r, rank in enumerate(self._ranks) if not rank.exited
+                and r // self.per_node < len(self._agents) and self._agents[r // self.per_node].open]
 
     def drain(self) -> list:
         for node, agent in enumerate(self._agents):

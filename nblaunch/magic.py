@@ -81,6 +81,8 @@ class NBLaunchMagics(Magics):
     @argument("--backend", default="auto", help="auto, gloo, nccl, ...")
     @argument("--timeout", type=float, default=None, help="seconds before the launch is stopped")
     @argument("--display", default="auto", help="auto, widget, text or none")
+    @argument("--cluster", default=None, help="slurm: ranks on every node of the SLURM allocation")
+    @argument("--nodes", type=int, default=1, help="with --cluster: how many of its nodes (default all)")
     @line_cell_magic
     def nblaunch(self, line: str, cell=None):
         """Run this cell on every rank (on the live ranks if they are up); the result is the list of
@@ -104,14 +106,14 @@ class NBLaunchMagics(Magics):
             return live.run(run_cell, cell, filename, names, timeout=opts.timeout,
                             display=None if opts.display == "auto" else opts.display)
         method, _ = choose_start_method(opts.start_method)
-        if method == "fork":
+        if method == "fork" and opts.cluster is None:  # inherited whole; elsewhere pickled
             names = {k: v for k, v in user_ns.items() if k not in _IPYTHON_NAMES}
         else:
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
         return notebook_launcher(
             run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,
             start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
-            display=opts.display)
+            display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes)
 
     def _cell_number(self) -> int:
         """This cell's ``In[N]``: the number IPython gave the code it ran last
@@ -122,7 +124,8 @@ class NBLaunchMagics(Magics):
     def _line(self, opts):
         if opts.action == "start":
             type(self).ranks = session.start(opts.num_processes or 2, start_method=opts.start_method,
-                                             backend=opts.backend, display=opts.display)
+                                             backend=opts.backend, display=opts.display, cluster=opts.cluster,
+                                             num_nodes=opts.nodes)
             print(f"nblaunch: {type(self).ranks.status}")
         elif opts.action == "stop":
             live = session.active()

@@ -147,7 +147,7 @@ class Session:
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
             watch = CallWatch(pool, view, 0, keep_ranks=False, timeout=c.timeout, stall_warning=c.stall_warning,
-                              nodes=nodes, job_size=getattr(job, "size", 0))
+                              nodes=nodes if self.engine is None else None, job_size=getattr(job, "size", 0))
             results = watch.run(lambda: _place(pool, view, nodes.num_nodes))
             outcome = "finished"
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
@@ -269,6 +269,7 @@ def _place(pool: RankPool, view, num_nodes: int) -> None:
         view.notice(f"waiting for {num_nodes} nodes to join")
     pl = pool.start(tick=view.tick)
     if pool.spans_nodes:
+        view.state.backend = pool.backend or ""  # decided by the nodes' GPUs
         view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)])
     else:
         view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)

@@ -130,20 +130,19 @@ class SlurmEngine:
         if self.spec.time:
             args.append(f"--time={self.spec.time}")
         args += list(self.spec.extra_args)
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=_without_job_vars(os.environ), start_new_session=True)
-        said, last_poll, output = "", 0.0, []
+        said, last_poll, output = "", 0.0, bytearray()
         try:
-            os.set_blocking(proc.stdout.fileno(), False)
+            fd = proc.stdout.fileno()
+            os.set_blocking(fd, False)
             while True:
-                chunk = proc.stdout.read() or ""
-                output.append(chunk)
-                found = re.search(r"job allocation (\d+)", "".join(output))
-                if found and self._job is None:
-                    self._job = found.group(1)
-                    self._ours = True
+                output += _read_ready(fd)
+                found = re.search(rb"job allocation (\d+)", output)
+                if found and self._job is None:  # known while still pending: cancelled if we stop waiting
+                    self._job, self._ours = found.group(1).decode(), True
                 if proc.poll() is not None:
-                    output.append(proc.stdout.read() or "")
+                    output += _read_ready(fd)
                     break
                 if self._job is not None and time.monotonic() - last_poll > PENDING_POLL_S:
                     last_poll = time.monotonic()
@@ -156,9 +155,11 @@ class SlurmEngine:
         except BaseException:
             proc.kill()
             proc.wait()
+            proc.stdout.close()
             self.close()
             raise
-        text = "".join(output)
+        proc.stdout.close()
+        text = output.decode(errors="replace")
         found = re.search(r"job allocation (\d+)", text)
         if found:
             self._job, self._ours = found.group(1), True
@@ -227,6 +228,13 @@ class SlurmEngine:
                                timeout=SCONTROL_TIMEOUT_S)
             except (subprocess.TimeoutExpired, LaunchError):
                 pass
+
+
+def _read_ready(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return b""
 
 
 def _without_job_vars(environ) -> dict:
