@@ -185,6 +185,8 @@ class Session:
         finally:
             view.flush()
         self.pool, self._nodes = pool, nodes
+        if self.engine is not None:
+            self.plan.backend = pool.backend  # decided by the nodes' GPUs
 
     def call(self, job: bytes, timeout: Optional[float], display: str, counted: bool) -> "tuple[list, CallWatch]":
         """One call on the live ranks; ``counted``: a ``run`` (the view's
@@ -269,7 +271,7 @@ def _place(pool: RankPool, view, num_nodes: int) -> None:
         view.notice(f"waiting for {num_nodes} nodes to join")
     pl = pool.start(tick=view.tick)
     if pool.spans_nodes:
-        view.state.backend = pool.backend or ""  # decided by the nodes' GPUs
+        view.state.backend = pool.backend or "no process group"  # decided by the nodes' GPUs
         view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)])
     else:
         view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)

@@ -78,7 +78,10 @@ def _salloc(nodes: int = 2) -> str:
 
 
 def _our_jobs() -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=20)
+    """Allocations nblaunch asked for that are still held (pending or running;
+    one being cleaned up after scancel, COMPLETING, is given back)."""
+    out = subprocess.run(["squeue", "-h", "-t", "PENDING,RUNNING", "-o", "%i %j"], capture_output=True, text=True,
+                         timeout=20)
     return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == ["nblaunch"]]
 
 
@@ -116,6 +119,9 @@ def where():
     print(f"rank {dist.get_rank()} on {os.environ['SLURMD_NODENAME']}", flush=True)
     return (dist.get_rank(), dist.get_world_size(), os.environ["SLURMD_NODENAME"], int(os.environ["NODE_RANK"]),
             int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), t.item())
+def weights():
+    import torch, torch.distributed as dist
+    return {"w": torch.full((1000,), float(dist.get_rank())), "rank": dist.get_rank()}
 """
 
 
@@ -135,6 +141,32 @@ def test_ranks_run_on_every_node_of_the_allocation_and_return_by_rank(slurm_kern
     for rank, host in [(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")]:
         assert f"rank {rank} · {host} finished" in view, view
         assert f"[rank {rank}] rank {rank} on {host}" in view, view
+    # Tensors in results travel from the other node too (a node's shared memory is fetched there).
+    text = _ok(slurm_kernel.execute("out = nblaunch.notebook_launcher(weights, num_processes=2, cluster='slurm', "
+                                    "display='none')\n"
+                                    "print([(o['rank'], o['w'].shape[0], o['w'].sum().item()) for o in out])"))
+    assert "[(0, 1000, 0.0), (1, 1000, 1000.0), (2, 1000, 2000.0), (3, 1000, 3000.0)]" in text
+
+
+@needs_slurm
+def test_a_timeout_shows_every_ranks_stack_on_both_nodes(slurm_kernel):
+    _ok(slurm_kernel.execute("""
+import time, nblaunch
+def stuck():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 2:
+        time.sleep(120)   # never joins
+    t = torch.ones(1)
+    dist.all_reduce(t)
+"""))
+    r = slurm_kernel.execute("nblaunch.notebook_launcher(stuck, num_processes=2, cluster='slurm', timeout=8, "
+                             "display='text')")
+    assert r.error is not None and r.error["ename"] == "LaunchTimeout", r.error
+    text = "\n".join(r.error["traceback"])
+    assert "node 0 (n1)" in text and "node 1 (n2)" in text, text
+    assert re.search(r"rank 2: in stuck at ", text), text  # the rank that never joined, where it was
+    assert re.search(r"rank 3: in all_reduce at ", text), text  # its node's other rank, waiting for it
+    _nothing_left()
 
 
 @needs_slurm
