@@ -16,7 +16,7 @@ on ranks kept up by ``nblaunch.start(2, cluster="slurm")``; median of 30.
 Goals: nblaunch within 1.2x of srun; a live call within 20 ms.
 
 Runs inside an allocation of two nodes (``SLURM_JOB_ID``), or makes one
-(``salloc --no-shell -N2``) and gives it back. ``.ci/slurm`` starts a
+(``salloc --no-shell -N2 --ntasks-per-node=2``: a CPU per rank) and gives it back. ``.ci/slurm`` starts a
 two-node cluster on this machine.
 
     python bench/slurm.py            # 5 alternating rounds, about 1 minute
@@ -42,7 +42,9 @@ import os, sys
 if sys.argv[1] == "submitit":
     import submitit
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ["MASTER_ADDR"] = os.environ["BENCH_NODE_ADDR"]  # n1 does not resolve here; its address does
 else:
+    os.environ.update(MASTER_ADDR=os.environ["BENCH_NODE_ADDR"], MASTER_PORT=os.environ["BENCH_PORT"])
     os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                       LOCAL_RANK=os.environ["SLURM_LOCALID"])
 import torch, torch.distributed as dist
@@ -66,9 +68,8 @@ def all_reduce():
 def run_srun(job: str, script: str, how: str, port: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_")) or k == "SLURM_CONF"}
     # SLURM's node names need not resolve (they do not on the test cluster):
-    # the address is given, as a batch script would give it. submitit keeps
-    # a MASTER_ADDR that is already set (export(overwrite=False)).
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SUBMITIT_EXECUTOR="slurm")
+    # the first node's address is given, as a batch script would give it.
+    env.update(BENCH_NODE_ADDR="127.0.0.1", BENCH_PORT=str(port), SUBMITIT_EXECUTOR="slurm")
     t = time.perf_counter()
     subprocess.run(["srun", f"--jobid={job}", "--overlap", "--nodes=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
                     sys.executable, script, how], check=True, env=env, stdin=subprocess.DEVNULL)
@@ -96,7 +97,7 @@ def main() -> None:
     ours = None
     job = os.environ.get("SLURM_JOB_ID")
     if job is None:
-        out = subprocess.run(["salloc", "--no-shell", "--nodes=2", "--job-name=nblaunch-bench"],
+        out = subprocess.run(["salloc", "--no-shell", "--nodes=2", "--ntasks-per-node=2", "--job-name=nblaunch-bench"],
                              capture_output=True, text=True, check=True)
         job = ours = re.search(r"job allocation (\d+)", out.stdout + out.stderr).group(1)
         os.environ["SLURM_JOB_ID"] = job

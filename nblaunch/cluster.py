@@ -110,6 +110,10 @@ class AgentPool(RankPool):
             for item in self._read(0.1):
                 self._buffer.append(item)
             waiting -= {a.node for a in self._agents if a.started}
+            gone = [a for a in self._agents if not a.open and not a.started]
+            if gone:
+                raise LaunchError(f"the agent on node {gone[0].node} ({gone[0].name}) ended before it started its "
+                                  f"ranks; the agents' output:\n{self._agents_log()}")
             self._check_step(deadline, "start their ranks")
             tick()
         for r, rank in enumerate(self._ranks):

@@ -28,7 +28,7 @@ import secrets
 import socket
 import threading
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Optional
 
 __all__ = ["Listener", "connect", "new_secret", "SECRET_ENV", "ADDRESS_ENV"]
@@ -103,6 +103,7 @@ class Listener:
         timer = threading.Timer(HANDSHAKE_S, _shutdown, args=(sock,))
         timer.daemon = True
         timer.start()
+        _no_delay(sock)
         conn = Connection(os.dup(sock.fileno()))
         try:
             deliver_challenge(conn, self._secret)
@@ -131,6 +132,29 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
+def _no_delay(sock: socket.socket) -> None:
+    """Messages are small and come in bursts (a call to each of a node's
+    ranks): with Nagle's algorithm each burst's second message waits for the
+    peer's delayed ACK, 40 ms a call (measured: 44 ms live calls across nodes)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def connect(address: tuple[str, int], secret: bytes) -> Connection:
-    """An agent's connection to the kernel (the same handshake, the other way round)."""
-    return Client(tuple(address), authkey=secret)
+    """An agent's connection to the kernel: the handshake of
+    ``multiprocessing.connection.Client`` (answer, then challenge), on a
+    socket without Nagle's delay."""
+    sock = socket.create_connection(tuple(address))
+    try:
+        _no_delay(sock)
+        conn = Connection(sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        answer_challenge(conn, secret)
+        deliver_challenge(conn, secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn

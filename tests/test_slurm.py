@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -21,28 +20,13 @@ from multiprocessing.connection import Client
 import psutil
 import pytest
 
+import slurm_cluster
 from conftest import Kernel
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _slurm_up() -> str:
-    """Why SLURM cannot be used here ('' when it can)."""
-    if shutil.which("sinfo") is None or shutil.which("srun") is None:
-        return "SLURM's commands are not installed (run .ci/slurm as root)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer"
-    idle = [line for line in out.stdout.splitlines() if line.split()[1:] and line.split()[1] in ("idle", "mixed", "allocated")]
-    if out.returncode != 0 or len(idle) < 2:
-        return f"no two-node SLURM cluster is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
-    return ""
-
-
-_WHY_NOT = _slurm_up()
-if _WHY_NOT and os.environ.get("NBLAUNCH_REQUIRE_SLURM"):
-    raise RuntimeError(f"NBLAUNCH_REQUIRE_SLURM is set, but {_WHY_NOT}")
+_WHY_NOT = slurm_cluster.why_not()
 needs_slurm = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
 
 

@@ -1,0 +1,30 @@
+"""Whether a two-node SLURM cluster is up here (``.ci/slurm`` starts one),
+for the SLURM tests and the SLURM tutorial notebook."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+
+def why_not() -> str:
+    """Why SLURM cannot be used here ('' when it can). With
+    ``NBLAUNCH_REQUIRE_SLURM`` set (CI), a missing cluster is an error instead."""
+    why = _why_not()
+    if why and os.environ.get("NBLAUNCH_REQUIRE_SLURM"):
+        raise RuntimeError(f"NBLAUNCH_REQUIRE_SLURM is set, but {why}")
+    return why
+
+
+def _why_not() -> str:
+    if shutil.which("sinfo") is None or shutil.which("srun") is None:
+        return "SLURM's commands are not installed (run .ci/slurm as root)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer"
+    usable = [line for line in out.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")]
+    if out.returncode != 0 or len(usable) < 2:
+        return f"no two-node SLURM cluster is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
+    return ""
