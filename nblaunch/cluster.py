@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -77,7 +75,7 @@ class AgentPool(RankPool):
         self._usage: dict = {}
         self._ids = itertools.count(1)
         self._listener: Optional[link.Listener] = None
-        self._srun: Optional[subprocess.Popen] = None
+        self._step = None  # the engine's handle on the agents (poll, output, end)
         self._store = None
         self._closed = False
         self.backend: Optional[str] = None  # decided at start, from every node's GPUs
@@ -90,11 +88,11 @@ class AgentPool(RankPool):
 
     def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
         engine = self._engine
-        host = route_address(engine.addrs[0], 1)  # the kernel's address on the nodes' network
+        host = route_address(engine.reach, 1)  # the kernel's address on the nodes' network
         secret = link.new_secret()
         self._listener = link.Listener(host, secret)
         lhost, lport = self._listener.address
-        self._srun = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
+        self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
                                          str(self.log_dir / "agents.log"))
         hellos = self._gather(tick)
         backend = self.backend = self._backend([h["gpus"] for h in hellos])
@@ -140,32 +138,21 @@ class AgentPool(RankPool):
         return [got[n][1] for n in sorted(got)]
 
     def _check_step(self, deadline: float, what: str) -> None:
-        code = self._srun.poll()
+        code = self._step.poll()
         if code is not None:
-            raise LaunchError(f"the agents' srun step ended (code {code}) before every node's agent could {what}; "
-                              f"its output:\n{self._agents_log()}")
+            raise LaunchError(f"the agents ({self._step.what}) ended (code {code}) before every node's agent could "
+                              f"{what}; their output:\n{self._agents_log()}")
         if time.monotonic() > deadline:
-            raise LaunchError(f"the nodes' agents did not {what} within {AGENTS_START_S:.0f} s; srun's output:\n"
+            raise LaunchError(f"the nodes' agents did not {what} within {AGENTS_START_S:.0f} s; their output:\n"
                               f"{self._agents_log()}")
 
     def _engine_news(self) -> str:
         """What the engine said when an agent vanished without a word (a
         cancelled step's agents get SIGKILL: srun then reports it)."""
-        if self._srun is None:
-            return ""
-        try:
-            self._srun.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        said = [line.strip() for line in self._agents_log().splitlines()
-                if "CANCELLED" in line or "error:" in line or "DUE TO" in line]
-        return f"was ended by SLURM ({said[0]})" if said else ""
+        return self._step.news() if self._step is not None else ""
 
     def _agents_log(self) -> str:
-        try:
-            text = (self.log_dir / "agents.log").read_text(errors="replace")
-        except OSError:
-            return "  (none)"
+        text = self._step.output() if self._step is not None else ""
         return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
 
     def _backend(self, gpus: list[int]) -> Optional[str]:
@@ -383,34 +370,12 @@ class AgentPool(RankPool):
             if self._listener is not None:
                 self._listener.close()
             self._store = None
-            self._end_srun()
+            if self._step is not None:
+                self._step.end(TEARDOWN_WAIT_S)
             for rank in self._ranks:
                 if rank.log is not None:
                     rank.log.close()
             release_launch_dir(self.log_dir)
-
-    def _end_srun(self) -> None:
-        """The step ends when its agents do; one that does not is cancelled
-        as srun is told to (SIGINT twice within a second: srun's own rule)."""
-        proc = self._srun
-        if proc is None:
-            return
-        try:
-            proc.wait(TEARDOWN_WAIT_S)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                return
-            try:
-                proc.wait(0.5)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        proc.wait()
 
 
 def _renumber(item: Any, rank: int) -> Any:

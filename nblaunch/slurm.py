@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -209,15 +210,21 @@ class SlurmEngine:
                 *self.spec.srun_args,
                 sys.executable, "-m", "nblaunch.agent", "--node-var", "SLURM_PROCID", "--name-var", "SLURMD_NODENAME"]
 
-    def start_agents(self, env: dict, log_path: str) -> subprocess.Popen:
+    @property
+    def reach(self) -> str:
+        """An address of the nodes' network: the kernel listens on its route to it."""
+        return self.addrs[0]
+
+    def start_agents(self, env: dict, log_path: str) -> "_Step":
         """The ``srun`` step, its output to ``log_path``. The agents get the
         kernel's environment (srun's default ``--export=ALL``) without the
         kernel's own SLURM task variables, which would set srun's defaults
         (``SLURM_NTASKS=1`` from the kernel's step refuses two nodes)."""
         with open(log_path, "wb") as log:
-            return subprocess.Popen(self.agent_command(), stdin=subprocess.DEVNULL, stdout=log,
+            proc = subprocess.Popen(self.agent_command(), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env={**_without_job_vars(os.environ), **env},
                                     start_new_session=True)
+        return _Step(proc, log_path)
 
     def close(self) -> None:
         """Give back an allocation nblaunch asked for (the kernel's own is kept)."""
@@ -228,6 +235,57 @@ class SlurmEngine:
                                timeout=SCONTROL_TIMEOUT_S)
             except (subprocess.TimeoutExpired, LaunchError):
                 pass
+
+
+class _Step:
+    """The agents' ``srun`` step, as the rank pool sees it."""
+
+    what = "srun step"
+
+    def __init__(self, proc: subprocess.Popen, log_path: str):
+        self._proc, self._log = proc, log_path
+
+    def poll(self) -> Optional[int]:
+        return self._proc.poll()
+
+    def output(self) -> str:
+        try:
+            with open(self._log, errors="replace") as f:
+                return f.read()[-20000:]
+        except OSError:
+            return ""
+
+    def news(self) -> str:
+        """Why an agent vanished without a word: a cancelled step's agents
+        get SIGKILL, and srun then says so."""
+        try:
+            self._proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        said = [line.strip() for line in self.output().splitlines()
+                if "CANCELLED" in line or "error:" in line or "DUE TO" in line]
+        return f"was ended by SLURM ({said[0]})" if said else ""
+
+    def end(self, timeout: float) -> None:
+        """The step ends when its agents do; one that does not is cancelled
+        as srun is told to (SIGINT twice within a second: srun's own rule)."""
+        proc = self._proc
+        try:
+            proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except OSError:
+                break
+            try:
+                proc.wait(0.5)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
 
 
 def _read_ready(fd: int) -> bytes:
