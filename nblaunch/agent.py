@@ -190,10 +190,14 @@ def main(argv: Optional[list] = None) -> int:
 
     def end(signum, frame) -> None:
         if agent is not None and agent.ending is None:
-            agent.ending = f"was ended by {signal.Signals(signum).name} (its SLURM step or job was cancelled?)"
+            agent.ending = (f"was ended by {signal.Signals(signum).name}, sent to its agent by the engine "
+                            "(a cancelled SLURM job or step, a Ray actor that was killed)")
 
     signal.signal(signal.SIGTERM, end)
     signal.signal(signal.SIGINT, end)
+    # A Ray worker starts its children with SIGINT blocked; ranks inherit the
+    # mask, and a blocked SIGINT is the stop button doing nothing.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     # What every rank needs, imported once here before the ranks are forked
     # (a fresh process: no OpenMP pool, no CUDA), while the other nodes start.
     import cloudpickle  # noqa: F401

@@ -30,7 +30,7 @@ from .logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
 
-__all__ = ["AgentPool"]
+__all__ = ["AgentPool", "engine_for"]
 
 AGENTS_START_S = 300.0  # srun to every agent connected (they import torch first)
 REPLY_WAIT_S = 10.0  # an agent's answer (stacks take up to ~1 s)
@@ -213,8 +213,11 @@ class AgentPool(RankPool):
             self._usage.update({first + local: u for local, u in args[0].items()})
         elif kind == "started":
             agent.started = True
-        elif kind == "bye":
+        elif kind == "bye":  # the engine is ending this node: that, not its ranks' deaths, is the news
             agent.why = args[0]
+            for r in range(first, first + self.per_node):
+                if not self._ranks[r].exited:
+                    out.append(Lost(r, f"({agent.name}) {agent.why}"))
 
     def _lose(self, agent: _Agent, out: list) -> None:
         """The agent's connection closed: each of its ranks still up is lost."""
@@ -383,3 +386,16 @@ def _renumber(item: Any, rank: int) -> Any:
     if isinstance(item, Message) and hasattr(item.event, "rank"):
         return Message(rank, dataclasses.replace(item.event, rank=rank))
     return dataclasses.replace(item, rank=rank)
+
+
+def engine_for(config):
+    """The cluster engine of ``config.cluster`` (a ``Slurm`` or a ``Ray``):
+    it finds its nodes now, so a missing allocation or cluster is a clear
+    error before any process starts."""
+    from .ray_engine import Ray, RayEngine
+    from .slurm import SlurmEngine
+
+    nodes = config.num_nodes if config.num_nodes > 1 else None
+    if isinstance(config.cluster, Ray):
+        return RayEngine(config.cluster, nodes, config.num_processes)
+    return SlurmEngine(config.cluster, nodes)

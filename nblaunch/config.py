@@ -49,7 +49,7 @@ class LaunchConfig:
     rdzv_id: str = "nblaunch"
     rdzv_timeout: float = 300.0
     max_restarts: int = 0
-    cluster: Any = None  # None (this machine), "slurm" or nblaunch.Slurm(...): made a Slurm when checked
+    cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
     addr: str = field(init=False)
     endpoint: Optional[tuple] = field(init=False)
 
@@ -121,16 +121,19 @@ def _check_ranks(c: LaunchConfig) -> None:
 
 
 def _check_cluster(c: LaunchConfig) -> None:
-    """``cluster``: made a :class:`~nblaunch.slurm.Slurm`; ``num_nodes`` then
-    means how many of its nodes (1, the default: all of them)."""
+    """``cluster``: made a :class:`~nblaunch.slurm.Slurm` or
+    :class:`~nblaunch.ray_engine.Ray`; ``num_nodes`` then means how many of
+    its nodes (1, the default: all of them)."""
     if c.cluster is None:
         return
+    from .ray_engine import Ray
     from .slurm import Slurm
 
-    if isinstance(c.cluster, str) and c.cluster.lower() == "slurm":
-        object.__setattr__(c, "cluster", Slurm())
-    elif not isinstance(c.cluster, Slurm):
-        raise ValueError(f"cluster must be None, 'slurm' or nblaunch.Slurm(...), got {c.cluster!r}")
+    if isinstance(c.cluster, str) and c.cluster.lower() in ("slurm", "ray"):
+        object.__setattr__(c, "cluster", Slurm() if c.cluster.lower() == "slurm" else Ray())
+    elif not isinstance(c.cluster, (Slurm, Ray)):
+        raise ValueError(f"cluster must be None, 'slurm', 'ray', nblaunch.Slurm(...) or nblaunch.Ray(...), "
+                         f"got {c.cluster!r}")
     if c.rdzv_endpoint is not None or c.node_rank is not None:
         raise ValueError("cluster=... starts the ranks on every node itself; rdzv_endpoint and node_rank are for "
                          "a launch run by hand on each machine. Leave them out.")
@@ -139,7 +142,8 @@ def _check_cluster(c: LaunchConfig) -> None:
     if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
         raise ValueError(f"max_restarts must be an int >= 0, got {c.max_restarts!r}")
     if c.num_nodes > 1 and c.cluster.nodes is not None and c.cluster.nodes != c.num_nodes:
-        raise ValueError(f"num_nodes={c.num_nodes} and Slurm(nodes={c.cluster.nodes}) disagree; give one of them")
+        raise ValueError(f"num_nodes={c.num_nodes} and {type(c.cluster).__name__}(nodes={c.cluster.nodes}) "
+                         "disagree; give one of them")
 
 
 def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:

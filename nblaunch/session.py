@@ -37,9 +37,8 @@ from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .nodes import NodeGroup, SingleNode
 from .payload import CloudJob, check_sendable
 from .plan import RankPlan, plan_ranks
-from .cluster import AgentPool
+from .cluster import AgentPool, engine_for
 from .pool import LocalPool, RankPool
-from .slurm import SlurmEngine
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -90,8 +89,7 @@ class Session:
         self.live = live
         self.plan: RankPlan = plan_ranks(config, live=live)
         # A cluster engine finds its nodes now: no allocation is a clear error before anything starts.
-        self.engine = SlurmEngine(config.cluster, config.num_nodes if config.num_nodes > 1 else None) \
-            if config.cluster is not None else None
+        self.engine = engine_for(config) if config.cluster is not None else None
         self.world_size = config.num_processes * (self.engine.num_nodes if self.engine else 1)
         self.pool: Optional[RankPool] = None
         self.restarts = 0

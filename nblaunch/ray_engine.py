@@ -1,0 +1,244 @@
+"""The Ray engine: ranks on the nodes of the Ray cluster the notebook is connected to.
+
+Ray starts the processes: one actor per node, placed one per node by a
+placement group with ``STRICT_SPREAD``, runs an nblaunch agent
+(:mod:`nblaunch.agent`) as its child, and the agent starts that node's ranks
+and talks to the kernel over the authenticated channel, exactly as under
+SLURM. What Ray does differently, and what is done about it:
+
+* Ray workers do not inherit the driver's environment: the kernel's is sent
+  with the actor call and given to the agent.
+* A Ray worker's threads run with SIGINT blocked, and children inherit the
+  mask: the agent unblocks it before it starts any rank (``agent.main``), or
+  the stop button would do nothing.
+* An actor that dies, or a node that leaves, closes its agent's connection:
+  a ``RankFailure`` naming the node. The actors are owned by the kernel's
+  Ray driver, so a killed kernel takes them (and, through the agents, the
+  ranks) with it; ``close()`` kills them and removes the placement group.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from .errors import LaunchError
+
+__all__ = ["Ray", "RayEngine"]
+
+PLACEMENT_WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Ray:
+    """``cluster=nblaunch.Ray(...)``: ranks on the nodes of a Ray cluster.
+
+    ``address``: the cluster to connect to when the kernel is not connected
+    yet (``ray.init(address=...)``; None: ``"auto"``). ``nodes``: how many
+    of its alive nodes (default all). ``resources_per_rank``: what each rank
+    reserves on its node (default ``{"CPU": 1}``; ``{"CPU": 4, "GPU": 1}``...).
+    """
+
+    address: Optional[str] = None
+    nodes: Optional[int] = None
+    resources_per_rank: Mapping = field(default_factory=lambda: {"CPU": 1})
+
+    def __post_init__(self):
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
+                                       or self.nodes < 1):
+            raise ValueError(f"Ray(nodes=...) must be a positive int or None, got {self.nodes!r}")
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise TypeError(f"Ray(address=...) must be a non-empty string or None, got {self.address!r}")
+        res = self.resources_per_rank
+        if not isinstance(res, Mapping) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                                   for k, v in res.items()):
+            raise TypeError(f"Ray(resources_per_rank=...) must map resource names to amounts, got {res!r}")
+        object.__setattr__(self, "resources_per_rank", dict(res))
+
+    def __hash__(self):
+        return hash((self.address, self.nodes, tuple(sorted(self.resources_per_rank.items()))))
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError("cluster='ray' needs Ray in this environment (and on every node): "
+                          "pip install 'ray>=2.9'") from None
+    return ray
+
+
+def _check_answers(address: str) -> None:
+    """A cluster address that nothing answers at is an error now: ``ray.init``
+    would retry for minutes."""
+    if address == "auto" or "://" in address:
+        return
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"no Ray cluster answers at {address} ({exc}); start one (ray start --head) or give "
+                          "the address of its head node") from None
+
+
+class RayEngine:
+    """The alive nodes of the connected Ray cluster, and one agent actor on each."""
+
+    name = "ray"
+
+    def __init__(self, spec: Ray, num_nodes: Optional[int], num_processes: int):
+        ray = _ray()
+        self.spec = spec
+        if not ray.is_initialized():
+            address = spec.address or os.environ.get("RAY_ADDRESS") or "auto"
+            _check_answers(address)
+            # Ranks' output reaches the kernel through the agents: Ray's own
+            # log forwarding would print it a second time, deduplicated.
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as exc:
+                raise LaunchError(f"cluster='ray' found no Ray cluster to connect to ({exc}). Start one "
+                                  "(ray start --head), or connect first: ray.init(address=...), or give "
+                                  "cluster=nblaunch.Ray(address='host:port').") from None
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        want = spec.nodes or num_nodes or len(alive)
+        if want > len(alive):
+            raise LaunchError(f"{want} nodes were asked for, and the Ray cluster has {len(alive)} alive")
+        self._want = want
+        self._per_node = {k: v * num_processes for k, v in spec.resources_per_rank.items() if v}
+        self._gcs = ray.get_runtime_context().gcs_address
+        self._pg = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self._want
+
+    @property
+    def label(self) -> str:
+        return f"Ray cluster at {self._gcs}"
+
+    @property
+    def reach(self) -> str:
+        return self._gcs.rsplit(":", 1)[0]
+
+    def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
+        """One bundle of the node's ranks' resources on each of ``nodes`` nodes (STRICT_SPREAD)."""
+        ray = _ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        self.close()  # a restarted generation's agents get a new group
+        self._pg = placement_group([dict(self._per_node) for _ in range(self._want)], strategy="STRICT_SPREAD")
+        deadline, said = time.monotonic() + PLACEMENT_WAIT_S, False
+        ready = self._pg.ready()
+        try:
+            while not ray.wait([ready], timeout=0.1)[0]:
+                if not said:
+                    notice(f"waiting for Ray to place {self._want} agents, one per node, each with {self._per_node}")
+                    said = True
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"Ray could not place {self._want} agents on distinct nodes with "
+                                      f"{self._per_node} each within {PLACEMENT_WAIT_S:.0f} s: "
+                                      f"{ray.available_resources()} available")
+                tick()
+        except BaseException:
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise
+
+    def start_agents(self, env: dict, log_path: str) -> "_Actors":
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+        environ.update(env)
+        actor_cls = _ray().remote(num_cpus=0, max_concurrency=2)(_AgentActor)
+        actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._pg, placement_group_bundle_index=i)).remote() for i in range(self._want)]
+        runs = [a.run.remote(environ, i, os.getcwd()) for i, a in enumerate(actors)]
+        return _Actors(actors, runs)
+
+    def close(self) -> None:
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001 - the cluster may be gone already
+                pass
+            self._pg = None
+
+
+class _AgentActor:
+    """Inside Ray, on one node: runs that node's agent and waits for it."""
+
+    def __init__(self):
+        self._proc = None
+
+    def run(self, env: dict, node: int, cwd: str) -> tuple:
+        import socket
+        import subprocess
+
+        import ray
+
+        ctx = ray.get_runtime_context()
+        env = {**env, "NBLAUNCH_NODE": str(node),
+               "NBLAUNCH_NODE_NAME": f"{socket.gethostname()}:{ctx.get_node_id()[:6]}"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "nblaunch.agent", "--node-var", "NBLAUNCH_NODE", "--name-var", "NBLAUNCH_NODE_NAME"],
+            env=env, cwd=cwd if os.path.isdir(cwd) else None, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = self._proc.stdout.read()
+        return self._proc.wait(), out[-20000:].decode(errors="replace")
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+
+class _Actors:
+    """The agent actors, as the rank pool sees them."""
+
+    what = "Ray actors"
+
+    def __init__(self, actors: list, runs: list):
+        self._actors, self._runs = actors, runs
+        self._done: dict = {}
+
+    def _collect(self, timeout: float = 0.0) -> None:
+        ray = _ray()
+        pending = [r for r in self._runs if r not in self._done]
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        for ref in ready:
+            try:
+                self._done[ref] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - an actor that died: its error is the news
+                self._done[ref] = (-1, f"{type(exc).__name__}: {exc}")
+
+    def poll(self) -> Optional[int]:
+        """An exit code once any agent has ended (the launch cannot go on without it)."""
+        self._collect()
+        codes = [code for code, _ in self._done.values()]
+        return next((c for c in codes if c != 0), codes[0]) if codes else None
+
+    def output(self) -> str:
+        self._collect()
+        return "\n".join(text for _, text in self._done.values())
+
+    def news(self) -> str:
+        self._collect(1.0)
+        died = [text for code, text in self._done.values() if code == -1]
+        return f"was lost: its Ray actor died ({died[0].splitlines()[0][:300]})" if died else ""
+
+    def end(self, timeout: float) -> None:
+        ray = _ray()
+        self._collect(timeout)
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass

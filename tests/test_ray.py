@@ -1,0 +1,218 @@
+"""Ranks on the nodes of a real Ray cluster (issue 27).
+
+A two-node cluster on this machine (``ray start --head`` and a second
+``ray start --address ...``, two CPUs each), started once for this module.
+Ray binds the host's interface address, not loopback (it ignores
+``--node-ip-address=127.0.0.1`` on Linux), so its ports are on that address
+while the tests run. Marked ``ray``: the README's test command leaves them
+out (Ray is a 240 MB extra, ``pip install -e '.[ray]'``), ``.ci/run`` runs
+them (``pytest -m ray``). Without Ray they skip, unless
+``NBLAUNCH_REQUIRE_RAY`` is set (CI), when they fail.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import Kernel
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+try:
+    import ray  # noqa: F401
+    _WHY_NOT = ""
+except ImportError:
+    _WHY_NOT = "Ray is not installed (pip install -e '.[ray]')"
+if _WHY_NOT and os.environ.get("NBLAUNCH_REQUIRE_RAY"):
+    raise RuntimeError(f"NBLAUNCH_REQUIRE_RAY is set, but {_WHY_NOT}")
+if _WHY_NOT:
+    pytest.skip(_WHY_NOT, allow_module_level=True)
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """``address`` of a fresh two-node Ray cluster, stopped afterwards."""
+    temp = str(tmp_path_factory.mktemp("ray"))
+    port = _free_port()
+    common = ["--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"]
+    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+    head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+                          capture_output=True, text=True, timeout=180)
+    assert head.returncode == 0, head.stdout + head.stderr
+    found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
+    address = found.group(1) if found else f"127.0.0.1:{port}"
+    worker = subprocess.run([RAY, "start", f"--address={address}", *common], capture_output=True, text=True,
+                            timeout=180)
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    try:
+        yield address
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def _ours() -> list[psutil.Process]:
+    """Agents and ranks (forked agents: the same command line) and agent
+    actors, zombies aside. They are Ray's children, not the test's."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if ("nblaunch.agent" in cmd or "_AgentActor" in cmd) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _nothing_left(timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _ours() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in _ours()]
+    assert not left, f"agents, actors or ranks left: {left}"
+
+
+@pytest.fixture
+def ray_kernel(cluster):
+    k = Kernel()
+    try:
+        _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)", timeout=120))
+        yield k
+    finally:
+        k.shutdown()
+        _nothing_left()
+
+
+def _ok(result) -> str:
+    assert result.error is None, "\n".join(result.error["traceback"])
+    return result.text
+
+
+def test_ranks_run_on_both_ray_nodes_with_the_kernels_environment(ray_kernel):
+    text = _ok(ray_kernel.execute("""
+import os, signal, nblaunch
+os.environ["FROM_THE_NOTEBOOK"] = "yes"
+def where():
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} here", flush=True)
+    return (dist.get_rank(), int(os.environ["NODE_RANK"]), t.item(), os.environ.get("FROM_THE_NOTEBOOK"),
+            signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+out = nblaunch.notebook_launcher(where, num_processes=2, cluster="ray", display="text")
+print(list(out))"""))
+    # Ray workers do not inherit the driver's environment, and block SIGINT for their children:
+    # the ranks have the notebook's variable and an unblocked SIGINT.
+    assert "[(0, 0, 4.0, 'yes', False), (1, 0, 4.0, 'yes', False), (2, 1, 4.0, 'yes', False), " \
+           "(3, 1, 4.0, 'yes', False)]" in text, text
+    for rank in range(4):
+        assert f"[rank {rank}] rank {rank} here" in text
+
+
+def test_the_root_cause_on_the_second_node_is_named(ray_kernel):
+    _ok(ray_kernel.execute("""
+import time, nblaunch
+def fn():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 3:
+        time.sleep(0.5)
+        raise ValueError("bad shard on the second node")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+"""))
+    r = ray_kernel.execute("nblaunch.notebook_launcher(fn, num_processes=2, cluster='ray', display='text')")
+    assert r.error is not None and r.error["ename"] == "WorkerError"
+    tb = "\n".join(r.error["traceback"])
+    assert "rank 3 (node 1) raised ValueError: bad shard on the second node" in tb
+    assert 'raise ValueError("bad shard on the second node")' in tb
+
+
+def test_live_ranks_on_ray_keep_state_and_the_stop_button_works(ray_kernel):
+    _ok(ray_kernel.execute("""
+import time, nblaunch
+ranks = nblaunch.start(2, cluster="ray", display="text")
+def setup():
+    global count
+    count = 0
+def bump():
+    global count
+    count += 1
+    return count
+def spin():
+    print("spinning", flush=True)
+    while True:
+        time.sleep(0.01)
+"""))
+    _ok(ray_kernel.execute("ranks.run(setup)"))
+    _ok(ray_kernel.execute("ranks.run(bump)"))
+    assert "[2, 2, 2, 2]" in _ok(ray_kernel.execute("print(ranks.run(bump, display='none'))"))
+    msg = ray_kernel.execute_async("ranks.run(spin)")
+    ray_kernel.wait_for_output("spinning", timeout=60)
+    time.sleep(0.5)  # every rank in its loop (the output of one is enough to know the call began)
+    ray_kernel.km.interrupt_kernel()
+    r = ray_kernel.wait_for_reply(msg, timeout=60)
+    assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
+    text = _ok(ray_kernel.execute("print(ranks.run(bump, display='none')); print(ranks.status)"))
+    assert "[3, 3, 3, 3]" in text, text  # interrupted, and every rank kept its state
+    _ok(ray_kernel.execute("ranks.close()"))
+    _nothing_left()
+
+
+def test_a_dead_actor_is_a_failure_naming_its_node(ray_kernel):
+    msg = ray_kernel.execute_async("""
+import time, nblaunch
+def wait():
+    print("waiting", flush=True)
+    time.sleep(120)
+nblaunch.notebook_launcher(wait, num_processes=1, cluster="ray", display="text")""")
+    ray_kernel.wait_for_output("waiting", timeout=120)
+    actors = [p for p in _ours() if "_AgentActor" in " ".join(p.cmdline())]
+    assert len(actors) == 2, [p.cmdline() for p in _ours()]
+    actors[1].kill()  # the actor process dies (an OOM kill, a node going away)
+    r = ray_kernel.wait_for_reply(msg, timeout=60)
+    assert r.error is not None and r.error["ename"] == "WorkerError", r.error
+    assert re.search(r"node \d \([^)]+\) was (lost|ended by SIG)", "\n".join(r.error["traceback"])), r.error
+    _nothing_left()
+
+
+def test_a_killed_kernel_leaves_no_actor_agent_or_rank(cluster):
+    k = Kernel()
+    try:
+        k.execute_async(f"""
+import ray, time, nblaunch
+ray.init(address={cluster!r}, log_to_driver=False)
+def wait():
+    print("waiting", flush=True)
+    time.sleep(120)
+nblaunch.notebook_launcher(wait, num_processes=2, cluster="ray", display="text")""")
+        k.wait_for_output("waiting", timeout=120)
+        assert len(_ours()) >= 2 + 2 + 4  # actors, agents, ranks
+        os.kill(k.pid, signal.SIGKILL)
+        _nothing_left(timeout=30)
+    finally:
+        k.shutdown()
+
+
+def test_without_a_cluster_the_error_is_clear(monkeypatch):
+    import nblaunch
+    from nblaunch.errors import LaunchError
+
+    with pytest.raises((LaunchError, ConnectionError)) as info:
+        nblaunch.notebook_launcher(print, num_processes=1, cluster=nblaunch.Ray(address="127.0.0.1:9"))
+    assert "127.0.0.1:9" in str(info.value) or "Ray" in str(info.value)
