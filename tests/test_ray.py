@@ -68,12 +68,16 @@ def cluster(tmp_path_factory):
 
 def _ours() -> list[psutil.Process]:
     """Agents and ranks (forked agents: the same command line) and agent
-    actors, zombies aside. They are Ray's children, not the test's."""
+    actors of Ray launches, zombies aside. They are Ray's children, not the
+    test's."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("nblaunch.agent" in cmd or "_AgentActor" in cmd) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            # A Ray agent (and its ranks) has the node index the actor gave it; a SLURM one does not.
+            if "_AgentActor" in cmd or ("nblaunch.agent" in cmd and "NBLAUNCH_NODE" in p.environ()):
                 found.append(p)
         except psutil.Error:
             pass

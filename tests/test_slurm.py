@@ -30,26 +30,29 @@ _WHY_NOT = slurm_cluster.why_not()
 needs_slurm = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
 
 
-def _agents() -> list[psutil.Process]:
-    """Every nblaunch agent and rank of a cluster launch on this machine (the
-    ranks are forked agents: the same command line), and the srun that
-    started them, zombies aside. They are
-    SLURM's children, not the test's, so the usual check does not see them."""
+def _agents(job: str) -> list[psutil.Process]:
+    """Every nblaunch agent and rank of a cluster launch on allocation ``job``
+    (the ranks are forked agents: the same command line), and the srun that
+    started them, zombies aside. They are SLURM's children, not the test's,
+    so the usual check does not see them; other launches running beside
+    this test (the SLURM notebook in the other test process) are not ours."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if "nblaunch.agent" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if ("nblaunch.agent" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and (f"--jobid={job} " in cmd or p.environ().get("SLURM_JOB_ID") == job)):
                 found.append(p)
         except psutil.Error:
             pass
     return found
 
 
-def _nothing_left(timeout: float = 15.0) -> None:
+def _nothing_left(job: str, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
-    while _agents() and time.monotonic() < deadline:
+    while _agents(job) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in _agents()]
+    left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in _agents(job)]
     assert not left, f"agents or ranks left on the nodes: {left}"
 
 
@@ -61,12 +64,12 @@ def _salloc(nodes: int = 2) -> str:
     return found.group(1)
 
 
-def _our_jobs() -> list[str]:
-    """Allocations nblaunch asked for that are still held (pending or running;
-    one being cleaned up after scancel, COMPLETING, is given back)."""
-    out = subprocess.run(["squeue", "-h", "-t", "PENDING,RUNNING", "-o", "%i %j"], capture_output=True, text=True,
+def _held() -> list[str]:
+    """Allocations still held (pending or running; one being cleaned up after
+    scancel, COMPLETING, is given back)."""
+    out = subprocess.run(["squeue", "-h", "-t", "PENDING,RUNNING", "-o", "%i"], capture_output=True, text=True,
                          timeout=20)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == ["nblaunch"]]
+    return out.stdout.split()
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def slurm_kernel(allocation):
         yield k
     finally:
         k.shutdown()
-        _nothing_left()
+        _nothing_left(allocation)
 
 
 def _ok(result) -> str:
@@ -133,7 +136,7 @@ def test_ranks_run_on_every_node_of_the_allocation_and_return_by_rank(slurm_kern
 
 
 @needs_slurm
-def test_a_timeout_shows_every_ranks_stack_on_both_nodes(slurm_kernel):
+def test_a_timeout_shows_every_ranks_stack_on_both_nodes(slurm_kernel, allocation):
     _ok(slurm_kernel.execute("""
 import time, nblaunch
 def stuck():
@@ -150,11 +153,11 @@ def stuck():
     assert "node 0 (n1)" in text and "node 1 (n2)" in text, text
     assert re.search(r"rank 2: in stuck at ", text), text  # the rank that never joined, where it was
     assert re.search(r"rank 3: in all_reduce at ", text), text  # its node's other rank, waiting for it
-    _nothing_left()
+    _nothing_left(allocation)
 
 
 @needs_slurm
-def test_the_root_cause_on_node_2_is_named_with_its_node_and_traceback(slurm_kernel):
+def test_the_root_cause_on_node_2_is_named_with_its_node_and_traceback(slurm_kernel, allocation):
     _ok(slurm_kernel.execute("""
 import time, nblaunch
 def fn():
@@ -176,7 +179,7 @@ def fn():
 
 
 @needs_slurm
-def test_live_ranks_keep_state_across_cells_on_both_nodes(slurm_kernel):
+def test_live_ranks_keep_state_across_cells_on_both_nodes(slurm_kernel, allocation):
     _ok(slurm_kernel.execute("""
 import os, nblaunch
 ranks = nblaunch.start(2, cluster="slurm", display="text")
@@ -205,11 +208,11 @@ ranks.run(fail_on_3)""")
     assert "[(3, 'n1'), (13, 'n1'), (23, 'n2'), (33, 'n2')]" in text, text
     assert "up: 4 ranks" in text
     _ok(slurm_kernel.execute("ranks.close()"))
-    _nothing_left()
+    _nothing_left(allocation)
 
 
 @needs_slurm
-def test_the_stop_button_stops_every_node(slurm_kernel):
+def test_the_stop_button_stops_every_node(slurm_kernel, allocation):
     msg = slurm_kernel.execute_async("""
 import time, nblaunch
 def spin():
@@ -224,7 +227,7 @@ nblaunch.notebook_launcher(spin, num_processes=2, cluster="slurm", display="text
     slurm_kernel.km.interrupt_kernel()
     r = slurm_kernel.wait_for_reply(msg, timeout=60)
     assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
-    _nothing_left()
+    _nothing_left(allocation)
 
 
 @needs_slurm
@@ -245,7 +248,7 @@ nblaunch.notebook_launcher(wait, num_processes=1, cluster="slurm", display="text
     assert r.error is not None and r.error["ename"] == "WorkerError"
     tb = "\n".join(r.error["traceback"])
     assert re.search(r"node \d \(n\d\) was ended by SLURM \(.*CANCELLED", tb), tb
-    _nothing_left()
+    _nothing_left(allocation)
 
 
 @needs_slurm
@@ -259,10 +262,10 @@ def wait():
     time.sleep(120)
 nblaunch.notebook_launcher(wait, num_processes=2, cluster="slurm", display="text")""")
         k.wait_for_output("waiting", timeout=120)
-        assert len([p for p in _agents() if p.name() != "srun"]) == 2 + 4  # two agents, four ranks
+        assert len([p for p in _agents(allocation) if p.name() != "srun"]) == 2 + 4  # two agents, four ranks
         os.kill(k.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        _nothing_left(timeout=15)
+        _nothing_left(allocation, timeout=15)
         assert time.monotonic() - t0 < 15
     finally:
         k.shutdown()
@@ -274,12 +277,13 @@ def test_asking_slurm_for_an_allocation_gives_it_back(kernel):
 import os, nblaunch
 os.environ.pop("SLURM_JOB_ID", None)
 def host():
-    return os.environ["SLURMD_NODENAME"]
-print(nblaunch.notebook_launcher(host, num_processes=1, cluster=nblaunch.Slurm(nodes=2), display="text"))"""))
+    return os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
+out = nblaunch.notebook_launcher(host, num_processes=1, cluster=nblaunch.Slurm(nodes=2), display="text")
+print([h for h, _ in out], "job", out[0][1])"""))
     assert "['n1', 'n2']" in text
-    assert re.search(r"waiting for SLURM job \d+|starting 2 ranks", text)
-    assert not _our_jobs(), "the allocation nblaunch asked for is still held"
-    _nothing_left()
+    job = re.search(r"job (\d+)", text).group(1)
+    assert job not in _held(), f"the allocation nblaunch asked for ({job}) is still held"
+    _nothing_left(job)
 
 
 def test_outside_an_allocation_the_error_says_how_to_get_one(monkeypatch):
