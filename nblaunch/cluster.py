@@ -97,6 +97,8 @@ class AgentPool(RankPool):
         hellos = self._gather(tick)
         backend = self.backend = self._backend([h["gpus"] for h in hellos])
         self._store, port = host_store(lhost, self.size, self._pg_timeout)
+        for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
+            rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
             agent.conn.send(("setup", {"config": self._config, "live": self._live, "job": self._job,
@@ -114,8 +116,6 @@ class AgentPool(RankPool):
                                   f"ranks; the agents' output:\n{self._agents_log()}")
             self._check_step(deadline, "start their ranks")
             tick()
-        for r, rank in enumerate(self._ranks):
-            rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
         self.placement = Placement(0, len(self._agents), self.per_node, lhost, port)
         return self.placement
 
