@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import ray_cluster  # noqa: E402  (the two-node cluster the tests use)
 
 
 def nb_fn():
@@ -90,19 +89,6 @@ def run_nblaunch() -> tuple[float, float]:
     return max(s for s, _ in out) - t0, done - t0
 
 
-def start_cluster(temp: str) -> str:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    common = ["--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"]
-    head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
-                          capture_output=True, text=True, check=True)
-    found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
-    address = found.group(1) if found else f"127.0.0.1:{port}"
-    subprocess.run([RAY, "start", f"--address={address}", *common], capture_output=True, check=True)
-    return address
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one round (CI)")
@@ -115,7 +101,7 @@ def main() -> None:
     own = "RAY_ADDRESS" not in os.environ
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            address = start_cluster(os.path.join(tmp, "ray")) if own else os.environ["RAY_ADDRESS"]
+            address = ray_cluster.start(os.path.join(tmp, "ray")) if own else os.environ["RAY_ADDRESS"]
             ray.init(address=address, log_to_driver=False)
             os.makedirs(os.path.join(tmp, "train"))
             times: dict = {"TorchTrainer": [], "nblaunch": []}
@@ -135,7 +121,7 @@ def main() -> None:
         finally:
             ray.shutdown()
             if own:
-                subprocess.run([RAY, "stop", "--force"], capture_output=True)
+                ray_cluster.stop()
     med = {k: {"running_s": statistics.median(r for r, _ in v), "result_s": statistics.median(d for _, d in v)}
            for k, v in times.items()}
     result = {

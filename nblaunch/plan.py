@@ -46,7 +46,8 @@ def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
     n = config.num_processes
     if config.cluster is not None:
         # Each node's agent plans its own ranks (agent.py); the kernel starts none.
-        return RankPlan(type(config.cluster).__name__.lower(), None, None if not config.init_process_group else config.backend, None,
+        backend = config.backend if config.init_process_group else None  # "auto": the nodes' GPUs decide
+        return RankPlan(type(config.cluster).__name__.lower(), None, backend, None,
                         pg_timeout_for(None if live else config.timeout), {})
     method, reason = choose_start_method(config.start_method)
     backend = _resolve_backend(config.backend, n) if config.init_process_group else None

@@ -269,8 +269,8 @@ def _place(pool: RankPool, view, num_nodes: int) -> None:
         view.notice(f"waiting for {num_nodes} nodes to join")
     pl = pool.start(tick=view.tick)
     if pool.spans_nodes:
-        view.state.backend = pool.backend or "no process group"  # decided by the nodes' GPUs
-        view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)])
+        view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)],
+                   backend=pool.backend or "no process group")  # decided by the nodes' GPUs
     else:
         view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
 

@@ -1,10 +1,7 @@
 """Ranks on the nodes of a real Ray cluster (issue 27).
 
-A two-node cluster on this machine (``ray start --head`` and a second
-``ray start --address ...``, two CPUs each), started once for this module.
-Ray binds the host's interface address, not loopback (it ignores
-``--node-ip-address=127.0.0.1`` on Linux), so its ports are on that address
-while the tests run. Marked ``ray``: the README's test command leaves them
+A two-node cluster on this machine (``tests/ray_cluster.py``), started once
+for this module. Marked ``ray``: the README's test command leaves them
 out (Ray is a 240 MB extra, ``pip install -e '.[ray]'``), ``.ci/run`` runs
 them (``pytest -m ray``). Without Ray they skip, unless
 ``NBLAUNCH_REQUIRE_RAY`` is set (CI), when they fail.
@@ -14,14 +11,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
+import ray_cluster
 from conftest import Kernel
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -36,34 +31,14 @@ if _WHY_NOT and os.environ.get("NBLAUNCH_REQUIRE_RAY"):
 if _WHY_NOT:
     pytest.skip(_WHY_NOT, allow_module_level=True)
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """``address`` of a fresh two-node Ray cluster, stopped afterwards."""
-    temp = str(tmp_path_factory.mktemp("ray"))
-    port = _free_port()
-    common = ["--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"]
-    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
-    head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
-                          capture_output=True, text=True, timeout=180)
-    assert head.returncode == 0, head.stdout + head.stderr
-    found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
-    address = found.group(1) if found else f"127.0.0.1:{port}"
-    worker = subprocess.run([RAY, "start", f"--address={address}", *common], capture_output=True, text=True,
-                            timeout=180)
-    assert worker.returncode == 0, worker.stdout + worker.stderr
+    address = ray_cluster.start(str(tmp_path_factory.mktemp("ray")))
     try:
         yield address
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+        ray_cluster.stop()
 
 
 def _ours() -> list[psutil.Process]:

@@ -50,8 +50,12 @@ class View:
         """Once the ranks are started: build what is to be built."""
 
     def place(self, first_rank: int, world_size: int, node: Optional[int], num_nodes: int,
-              hosts: Optional[list] = None) -> None:
+              hosts: Optional[list] = None, backend: Optional[str] = None) -> None:
+        """Where the ranks sit; a cluster launch gives each row's machine
+        (``hosts``) and the backend its nodes chose."""
         self.state.place(first_rank, world_size, node, num_nodes, hosts)
+        if backend is not None:
+            self.state.backend = backend
 
     def rank_phase(self, rank: int, phase: str) -> None:
         self.state.set_phase(rank, phase)
