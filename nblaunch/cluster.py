@@ -28,6 +28,7 @@ from .channel import RELEASE, Started
 from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
+from .payload import CloudJob, PackedJob
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
 
 __all__ = ["AgentPool", "engine_for"]
@@ -63,6 +64,9 @@ class AgentPool(RankPool):
     spans_nodes = True
 
     def __init__(self, config, engine, job: Any = None, attempt: int = 0, live: bool = False, pg_timeout: float = 1800.0):
+        # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
+        if isinstance(job, CloudJob):
+            job = PackedJob(job.pack(sharing=False))
         self._config, self._engine, self._job, self._attempt, self._live = config, engine, job, attempt, live
         self._pg_timeout = pg_timeout
         self.per_node = config.num_processes

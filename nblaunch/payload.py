@@ -103,9 +103,13 @@ class CloudJob:
         data = self.pack()
         return (PackedJob, (data,))
 
-    def pack(self) -> bytes:
+    def pack(self, sharing: bool = True) -> bytes:
+        """The job as bytes; ``sharing``: tensors as handles to this machine's
+        shared memory (for ranks started here), else copied into the bytes
+        (for ranks on other machines)."""
         buf = io.BytesIO()
-        _SharingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(self._job)
+        pickler = _SharingPickler if sharing else NotebookPickler
+        pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(self._job)
         self.size = buf.tell()
         return buf.getvalue()
 

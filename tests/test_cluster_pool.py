@@ -47,6 +47,7 @@ class ScriptedEngine:
     def __init__(self, script: dict, answers: dict | None = None, hang_up: tuple = ()):
         self.script, self.answers, self.hang_up = script, answers or {}, hang_up
         self.received: dict[int, list] = {0: [], 1: []}
+        self.setups: dict[int, dict] = {}
         self.threads: list[threading.Thread] = []
 
     def allocate(self, notice, tick) -> None:
@@ -66,6 +67,7 @@ class ScriptedEngine:
         conn.send({"node": node, "name": f"host{node}", "addr": "127.0.0.1", "pid": 0, "gpus": 0})
         kind, setup = conn.recv()
         assert kind == "setup" and setup["placement"].node_rank == node
+        self.setups[node] = setup
         conn.send(("started", "/nowhere"))
         for message in self.script.get(node, []):
             conn.send(message)
@@ -86,9 +88,9 @@ class ScriptedEngine:
                 return
 
 
-def _pool(engine) -> AgentPool:
+def _pool(engine, job=None) -> AgentPool:
     config = LaunchConfig(2, cluster="slurm", display="none")
-    pool = AgentPool(config, engine, job=None)
+    pool = AgentPool(config, engine, job=job)
     pool.start()
     return pool
 
@@ -174,3 +176,21 @@ def test_verbs_reach_the_node_of_the_rank_and_release_stays_on_the_node():
     assert engine.received[0][:2] == [("interrupt", 1, "call 4"), ("signal", 15, [0])]
     assert all(m[0] != "send" or m[2] != RELEASE for node in engine.received.values() for m in node)
     assert engine.received[0][-1] == ("close",) and engine.received[1][-1] == ("close",)
+
+
+def test_tensors_in_a_launchs_job_travel_in_its_bytes_not_as_shared_memory_handles():
+    """A handle to this machine's shared memory means nothing on another node."""
+    import torch
+
+    from nblaunch.payload import CloudJob
+
+    weights = torch.full((10_000,), 7.0)
+    engine = ScriptedEngine({})
+    pool = _pool(engine, job=CloudJob(torch.sum, (weights,), {}))
+    try:
+        data = engine.setups[1]["job"]._data
+        assert len(data) > weights.nbytes  # the tensor's 40 kB are in the bytes
+        fn, args, kwargs = engine.setups[1]["job"].load()
+        assert fn(*args).item() == 70_000.0
+    finally:
+        pool.close()
