@@ -21,6 +21,8 @@ import pickle
 import signal
 import socket
 import sys
+import tempfile
+from pathlib import Path
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
@@ -76,6 +78,7 @@ def relayable(item: Any, pool) -> Any:
 class _Agent:
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._folder = tempfile.TemporaryDirectory(prefix="nblaunch-modules-")  # the notebook's modules, if sent
         self.pool = None
         self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
         self._sampler = None
@@ -99,12 +102,19 @@ class _Agent:
             return self._relay()
         finally:
             self.pool.close()
+            self._folder.cleanup()
 
     def _plan(self, setup: dict) -> tuple:
+        from . import modules
         from .plan import plan_ranks
         from .resources import Sampler, gpu_devices
 
         config = setup["config"]
+        # Before the plan: it records the environment the ranks get (PYTHONPATH included).
+        installed = modules.install(setup.get("modules", {}), Path(self._folder.name))
+        if installed:
+            print(f"nblaunch agent: installed the notebook's modules {', '.join(installed)} for this node's ranks",
+                  flush=True)
         node_config = dataclasses.replace(config, cluster=None, master_addr=setup["node_addr"],
                                           backend=setup["backend"] or config.backend)
         plan = plan_ranks(node_config, live=setup["live"])

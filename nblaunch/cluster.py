@@ -28,6 +28,7 @@ from .channel import RELEASE, Started
 from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
+from .modules import local_sources
 from .payload import CloudJob, PackedJob
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
 
@@ -103,11 +104,12 @@ class AgentPool(RankPool):
         self._store, port = host_store(lhost, self.size, self._pg_timeout)
         for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
             rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
+        sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
             agent.conn.send(("setup", {"config": self._config, "live": self._live, "job": self._job,
                                        "placement": placement, "node_addr": hello["addr"], "backend": backend,
-                                       "attempt": self._attempt}))
+                                       "attempt": self._attempt, "modules": sources}))
         waiting = {a.node for a in self._agents}
         deadline = time.monotonic() + AGENTS_START_S
         while waiting:

@@ -331,3 +331,19 @@ def test_the_agents_port_refuses_a_wrong_or_missing_secret_and_lets_the_right_on
         rude.close()
     finally:
         listener.close()
+
+
+@needs_slurm
+def test_a_function_from_the_notebooks_own_module_reaches_nodes_that_cannot_import_it(slurm_kernel, allocation,
+                                                                                       tmp_path):
+    """cloudpickle sends a module's function by reference; the module lives
+    in a folder only the kernel has on its path. Its source goes with the
+    launch; each agent installs it for its ranks."""
+    (tmp_path / "shards.py").write_text("import os\n\ndef shard_of(n):\n"
+                                        "    return int(os.environ['RANK']) * n, __name__\n")
+    text = _ok(slurm_kernel.execute(f"""
+import sys, nblaunch
+sys.path.insert(0, {str(tmp_path)!r})
+from shards import shard_of
+print(list(nblaunch.notebook_launcher(shard_of, (10,), num_processes=1, cluster="slurm", display="none")))"""))
+    assert "[(0, 'shards'), (10, 'shards')]" in text, text
