@@ -195,3 +195,15 @@ def test_without_a_cluster_the_error_is_clear(monkeypatch):
     with pytest.raises((LaunchError, ConnectionError)) as info:
         nblaunch.notebook_launcher(print, num_processes=1, cluster=nblaunch.Ray(address="127.0.0.1:9"))
     assert "127.0.0.1:9" in str(info.value) or "Ray" in str(info.value)
+
+
+def test_a_function_from_a_module_only_the_kernel_can_import_reaches_the_ray_nodes(ray_kernel, tmp_path):
+    """Ray workers start elsewhere and share no path with the notebook:
+    the module's source travels with the launch."""
+    (tmp_path / "steps.py").write_text("def double(x):\n    return 2 * x\n")
+    text = _ok(ray_kernel.execute(f"""
+import sys, nblaunch
+sys.path.insert(0, {str(tmp_path)!r})
+from steps import double
+print(list(nblaunch.notebook_launcher(double, (21,), num_processes=1, cluster="ray", display="none")))"""))
+    assert "[42, 42]" in text, text

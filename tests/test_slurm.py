@@ -347,3 +347,14 @@ sys.path.insert(0, {str(tmp_path)!r})
 from shards import shard_of
 print(list(nblaunch.notebook_launcher(shard_of, (10,), num_processes=1, cluster="slurm", display="none")))"""))
     assert "[(0, 'shards'), (10, 'shards')]" in text, text
+
+
+@needs_slurm
+def test_the_magic_starts_live_ranks_on_every_node(slurm_kernel, allocation):
+    _ok(slurm_kernel.execute("%load_ext nblaunch"))
+    assert "up: 4 ranks (slurm, gloo)" in _ok(slurm_kernel.execute("%nblaunch start -n 2 --cluster slurm"))
+    _ok(slurm_kernel.execute("%%nblaunch\nimport os\nhost = os.environ['SLURMD_NODENAME']"))
+    text = _ok(slurm_kernel.execute("%%nblaunch --display none\nprint(rank, host)"))  # the cell ran on every node
+    assert "[rank 0] 0 n1" in text and "[rank 3] 3 n2" in text, text
+    _ok(slurm_kernel.execute("%nblaunch stop"))
+    _nothing_left(allocation)
