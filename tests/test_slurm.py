@@ -358,3 +358,21 @@ def test_the_magic_starts_live_ranks_on_every_node(slurm_kernel, allocation):
     assert "[rank 0] 0 n1" in text and "[rank 3] 3 n2" in text, text
     _ok(slurm_kernel.execute("%nblaunch stop"))
     _nothing_left(allocation)
+
+
+@needs_slurm
+def test_a_pending_allocation_is_shown_and_given_back_on_interrupt(slurm_kernel, allocation):
+    """A request SLURM keeps pending (here: not to start before two minutes
+    from now): the view says so and why; the stop button cancels it."""
+    msg = slurm_kernel.execute_async("""
+import os, nblaunch
+os.environ.pop("SLURM_JOB_ID", None)
+nblaunch.notebook_launcher(print, num_processes=1, display="text",
+                           cluster=nblaunch.Slurm(nodes=2, extra_args=["--begin=now+120"]))""")
+    seen = slurm_kernel.wait_for_output("PENDING", timeout=60)
+    job = re.search(r"waiting for SLURM job (\d+): PENDING \((\w+)\)", seen)
+    assert job and job.group(2) == "BeginTime", seen
+    slurm_kernel.km.interrupt_kernel()
+    r = slurm_kernel.wait_for_reply(msg, timeout=60)
+    assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
+    assert job.group(1) not in _held(), "the pending request was not cancelled"
