@@ -77,16 +77,32 @@ class CellResult:
         return self.stdout + self.stderr
 
 
+class _PrefixedKernelManager(KernelManager):
+    """Starts the kernel behind a command prefix (``ip netns exec NAME``)."""
+
+    prefix: list = []
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return list(self.prefix) + super().format_kernel_cmd(extra_arguments)
+
+
 class Kernel:
     """A real IPython kernel (the environment's own Python) and a client."""
 
-    def __init__(self, extra_env: dict | None = None, console: str | None = None):
+    def __init__(self, extra_env: dict | None = None, console: str | None = None, netns: str | None = None):
         """``console``: a file that gets the kernel process's own stdout and
-        stderr (what a Jupyter server would log)."""
+        stderr (what a Jupyter server would log). ``netns``: run the kernel in
+        that network namespace, talking to this client over Unix sockets
+        (a namespace has its own loopback)."""
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
         env.update(extra_env or {})
-        self.km = KernelManager(kernel_name="python3")
+        if netns is None:
+            self.km = KernelManager(kernel_name="python3")
+        else:
+            self.km = _PrefixedKernelManager(kernel_name="python3", transport="ipc",
+                                             ip=os.path.join(tempfile.mkdtemp(prefix="nblaunch-ipc-"), "kernel"))
+            self.km.prefix = ["ip", "netns", "exec", netns]
         if console is None:  # kept, so that a test that times out can show where the kernel was
             fd, console = tempfile.mkstemp(prefix="nblaunch-kernel-console-", suffix=".log")
             os.close(fd)

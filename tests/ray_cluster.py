@@ -2,12 +2,16 @@
 ``ray start``, 2 CPUs each), for the Ray tests and ``bench/ray_vs_train.py``.
 
 Ray binds the host's interface address, never loopback (it ignores
-``--node-ip-address=127.0.0.1`` on Linux): the cluster's ports are open on
-that address while it runs."""
+``--node-ip-address=127.0.0.1`` on Linux). With ``netns``, the cluster runs
+in a network namespace of its own whose only interface is loopback: Ray then
+falls back to 127.0.0.1 and nothing of it is reachable from outside (the
+tests' kernels join it there). Without, its ports are open on the host's
+address while it runs."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,20 +19,36 @@ import sys
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def start(temp_dir: str) -> str:
-    """Stop any Ray here, start the two nodes; return the head's address."""
+def make_netns(name: str) -> bool:
+    """A network namespace with only loopback (up); False where it cannot be made."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return False
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True)
+    if made.returncode != 0:
+        return False
+    return subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], capture_output=True).returncode == 0
+
+
+def drop_netns(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def start(temp_dir: str, netns: str | None = None) -> str:
+    """Stop any Ray here, start the two nodes (in ``netns``, if given); return the head's address."""
+    inside = ["ip", "netns", "exec", netns] if netns else []
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     common = ["--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
     stop()
-    head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+    head = subprocess.run([*inside, RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
                           capture_output=True, text=True, timeout=180)
     if head.returncode != 0:
         raise RuntimeError(f"ray start --head failed:\n{head.stdout}{head.stderr}")
     found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
     address = found.group(1) if found else f"127.0.0.1:{port}"
-    worker = subprocess.run([RAY, "start", f"--address={address}", *common], capture_output=True, text=True,
+    worker = subprocess.run([*inside, RAY, "start", f"--address={address}", *common], capture_output=True, text=True,
                             timeout=180)
     if worker.returncode != 0:
         stop()

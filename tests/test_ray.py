@@ -1,7 +1,9 @@
 """Ranks on the nodes of a real Ray cluster (issue 27).
 
 A two-node cluster on this machine (``tests/ray_cluster.py``), started once
-for this module. Marked ``ray``: the README's test command leaves them
+for this module, with the tests' kernels, in a network namespace of its own
+whose only interface is loopback (where one can be made: root and
+iproute2): nothing of it is reachable from outside. Marked ``ray``: the README's test command leaves them
 out (Ray is a 240 MB extra, ``pip install -e '.[ray]'``), ``.ci/run`` runs
 them (``pytest -m ray``). Without Ray they skip, unless
 ``NBLAUNCH_REQUIRE_RAY`` is set (CI), when they fail.
@@ -31,10 +33,26 @@ if _WHY_NOT and os.environ.get("NBLAUNCH_REQUIRE_RAY"):
 if _WHY_NOT:
     pytest.skip(_WHY_NOT, allow_module_level=True)
 
+NETNS = f"nblaunch-ray-{os.getpid()}"
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """``address`` of a fresh two-node Ray cluster, stopped afterwards."""
-    address = ray_cluster.start(str(tmp_path_factory.mktemp("ray")))
+def netns():
+    """The namespace the cluster and the kernels run in (None: the host's network)."""
+    if not ray_cluster.make_netns(NETNS):
+        yield None
+        return
+    try:
+        yield NETNS
+    finally:
+        ray_cluster.drop_netns(NETNS)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, netns):
+    """``address`` of a fresh two-node Ray cluster, loopback only in its own
+    namespace where one can be made; stopped afterwards."""
+    address = ray_cluster.start(str(tmp_path_factory.mktemp("ray")), netns)
     try:
         yield address
     finally:
@@ -68,8 +86,8 @@ def _nothing_left(timeout: float = 20.0) -> None:
 
 
 @pytest.fixture
-def ray_kernel(cluster):
-    k = Kernel()
+def ray_kernel(cluster, netns):
+    k = Kernel(netns=netns)
     try:
         _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)", timeout=120))
         yield k
@@ -170,8 +188,8 @@ nblaunch.notebook_launcher(wait, num_processes=1, cluster="ray", display="text")
     _nothing_left()
 
 
-def test_a_killed_kernel_leaves_no_actor_agent_or_rank(cluster):
-    k = Kernel()
+def test_a_killed_kernel_leaves_no_actor_agent_or_rank(cluster, netns):
+    k = Kernel(netns=netns)
     try:
         k.execute_async(f"""
 import ray, time, nblaunch
@@ -207,3 +225,15 @@ sys.path.insert(0, {str(tmp_path)!r})
 from steps import double
 print(list(nblaunch.notebook_launcher(double, (21,), num_processes=1, cluster="ray", display="none")))"""))
     assert "[42, 42]" in text, text
+
+
+def test_the_cluster_is_reachable_only_inside_its_namespace(cluster, netns):
+    """Its traffic stays on this machine: loopback in a namespace of its own."""
+    import socket
+
+    if netns is None:
+        pytest.skip("no network namespace here (needs root and iproute2): the cluster used the host's address")
+    host, port = cluster.rsplit(":", 1)
+    assert host == "127.0.0.1", cluster  # Ray found no other interface to bind
+    with pytest.raises(OSError):  # this test runs outside the namespace: its loopback has no such port
+        socket.create_connection((host, int(port)), timeout=5).close()
