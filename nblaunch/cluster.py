@@ -93,7 +93,8 @@ class AgentPool(RankPool):
 
     def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
         engine = self._engine
-        host = route_address(engine.reach, 1)  # the kernel's address on the nodes' network
+        # The kernel's address on the nodes' network (master_addr: the user's choice of it).
+        host = self._config.master_addr or route_address(engine.reach, 1)
         secret = link.new_secret()
         self._listener = link.Listener(host, secret)
         lhost, lport = self._listener.address

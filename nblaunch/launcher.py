@@ -74,7 +74,10 @@ def notebook_launcher(
     on every node of the SLURM allocation the kernel runs in (``num_nodes``
     of them, if given), started by ``srun``, one view for all of them, and
     the results of every rank. Outside an allocation, ``Slurm(nodes=2, ...)``
-    asks SLURM for one and gives it back at the end.
+    asks SLURM for one and gives it back at the end. ``cluster="ray"`` (or
+    ``nblaunch.Ray(...)``): the same on the nodes of the connected Ray
+    cluster. ``master_addr`` then names the kernel's address that the nodes
+    reach (default: the one it uses to reach them).
     """
     args, kwargs = check_call(fn, args, kwargs)
     config = LaunchConfig(
