@@ -39,7 +39,9 @@ REPLY_WAIT_S = 10.0  # an agent's answer (stacks take up to ~1 s)
 
 
 @dataclass
-class _Agent:
+class _Node:
+    """A node, as the kernel knows it: its agent's connection and what it said."""
+
     node: int
     name: str
     conn: Connection
@@ -74,7 +76,7 @@ class AgentPool(RankPool):
         self.size = engine.num_nodes * self.per_node
         self.log_dir, self.notice = new_launch_dir()
         self._ranks = [_Rank() for _ in range(self.size)]
-        self._agents: list[_Agent] = []
+        self._agents: list[_Node] = []
         self._buffer: list = []  # events read while waiting for an answer, for the next poll
         self._replies: dict[int, Any] = {}
         self._usage: dict = {}
@@ -141,7 +143,7 @@ class AgentPool(RankPool):
             self._check_step(deadline, "connect")
             tick()
         self._listener.close()  # every agent is in: the port closes
-        self._agents = [_Agent(n, got[n][1]["name"], got[n][0]) for n in sorted(got)]
+        self._agents = [_Node(n, got[n][1]["name"], got[n][0]) for n in sorted(got)]
         return [got[n][1] for n in sorted(got)]
 
     def _check_step(self, deadline: float, what: str) -> None:
@@ -180,7 +182,7 @@ class AgentPool(RankPool):
         out += self._read(0 if out else timeout)
         return out
 
-    def _read(self, timeout: float, only: Optional[_Agent] = None) -> list:
+    def _read(self, timeout: float, only: Optional[_Node] = None) -> list:
         agents = [a for a in ([only] if only else self._agents) if a.open]
         out: list = []
         if not agents:
@@ -198,7 +200,7 @@ class AgentPool(RankPool):
                 self._take(agent, message, out)
         return out
 
-    def _take(self, agent: _Agent, message: tuple, out: list) -> None:
+    def _take(self, agent: _Node, message: tuple, out: list) -> None:
         kind, *args = message
         first = agent.node * self.per_node
         if kind == "events":
@@ -226,7 +228,7 @@ class AgentPool(RankPool):
                 if not self._ranks[r].exited:
                     out.append(Lost(r, f"({agent.name}) {agent.why}"))
 
-    def _lose(self, agent: _Agent, out: list) -> None:
+    def _lose(self, agent: _Node, out: list) -> None:
         """The agent's connection closed: each of its ranks still up is lost."""
         agent.open = False
         agent.conn.close()
@@ -239,10 +241,10 @@ class AgentPool(RankPool):
 
     # -- telling -----------------------------------------------------------------
 
-    def _agent_of(self, rank: int) -> _Agent:
+    def _agent_of(self, rank: int) -> _Node:
         return self._agents[rank // self.per_node]
 
-    def _tell(self, agent: _Agent, message: tuple) -> bool:
+    def _tell(self, agent: _Node, message: tuple) -> bool:
         if not agent.open:
             return False
         try:

@@ -152,8 +152,9 @@ class RayEngine:
     def start_agents(self, env: dict, log_path: str) -> "_Actors":
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        environ = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
-        environ.update(env)
+        from .slurm import without_slurm_vars
+
+        environ = {**without_slurm_vars(os.environ), **env}
         actor_cls = _ray().remote(num_cpus=0, max_concurrency=2)(_AgentActor)
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._pg, placement_group_bundle_index=i)).remote() for i in range(self._want)]

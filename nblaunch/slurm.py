@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 from .errors import LaunchError
 
-__all__ = ["Slurm", "SlurmEngine"]
+__all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
 
 SCONTROL_TIMEOUT_S = 30.0
 PENDING_POLL_S = 1.0
@@ -132,7 +132,7 @@ class SlurmEngine:
             args.append(f"--time={self.spec.time}")
         args += list(self.spec.extra_args)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=_without_job_vars(os.environ), start_new_session=True)
+                                env=without_slurm_vars(os.environ), start_new_session=True)
         said, last_poll, output = "", 0.0, bytearray()
         try:
             fd = proc.stdout.fileno()
@@ -222,7 +222,7 @@ class SlurmEngine:
         (``SLURM_NTASKS=1`` from the kernel's step refuses two nodes)."""
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self.agent_command(), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env={**_without_job_vars(os.environ), **env},
+                                    stderr=subprocess.STDOUT, env={**without_slurm_vars(os.environ), **env},
                                     start_new_session=True)
         return _Step(proc, log_path)
 
@@ -295,7 +295,9 @@ def _read_ready(fd: int) -> bytes:
         return b""
 
 
-def _without_job_vars(environ) -> dict:
-    """The environment without SLURM's job and task variables (``SLURM_CONF`` stays)."""
+def without_slurm_vars(environ) -> dict:
+    """The environment without SLURM's job and task variables (``SLURM_CONF``
+    stays): what agents started on other nodes, by srun or by Ray, are given
+    of the kernel's (a kernel inside a job has its own task's)."""
     return {k: v for k, v in environ.items()
             if not (k.startswith(("SLURM_", "SLURMD_", "SRUN_", "SALLOC_", "SBATCH_")) and k != "SLURM_CONF")}
