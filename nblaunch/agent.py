@@ -115,7 +115,8 @@ class _Agent:
         if installed:
             print(f"nblaunch agent: installed the notebook's modules {', '.join(installed)} for this node's ranks",
                   flush=True)
-        node_config = dataclasses.replace(config, cluster=None, master_addr=setup["node_addr"],
+        # This node alone: its place in the job comes with the setup (num_nodes was the engine's).
+        node_config = dataclasses.replace(config, cluster=None, num_nodes=1, master_addr=setup["node_addr"],
                                           backend=setup["backend"] or config.backend)
         plan = plan_ranks(node_config, live=setup["live"])
         self._sampler = Sampler(gpu_devices(list(range(config.num_processes))))

@@ -115,7 +115,7 @@ def weights():
 @needs_slurm
 def test_ranks_run_on_every_node_of_the_allocation_and_return_by_rank(slurm_kernel):
     _ok(slurm_kernel.execute(TRAIN))
-    r = slurm_kernel.execute("res = nblaunch.notebook_launcher(where, num_processes=2, cluster='slurm')\n"
+    r = slurm_kernel.execute("res = nblaunch.notebook_launcher(where, num_processes=2, cluster='slurm', num_nodes=2)\n"
                              "print(list(res))")
     text = _ok(r)
     # rank, world, node name, NODE_RANK, SLURM_PROCID, SLURM_NTASKS, all_reduce of the ranks
