@@ -110,9 +110,9 @@ class AgentPool(RankPool):
         sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
-            agent.conn.send(("setup", {"config": self._config, "live": self._live, "job": self._job,
-                                       "placement": placement, "node_addr": hello["addr"], "backend": backend,
-                                       "attempt": self._attempt, "modules": sources}))
+            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": self._job,
+                                         "placement": placement, "node_addr": hello["addr"], "backend": backend,
+                                         "attempt": self._attempt, "modules": sources}))  # False: gone, said below
         waiting = {a.node for a in self._agents}
         deadline = time.monotonic() + AGENTS_START_S
         while waiting:

@@ -29,6 +29,7 @@ from .errors import LaunchError
 __all__ = ["Ray", "RayEngine"]
 
 PLACEMENT_WAIT_S = 120.0
+PLACEMENT_QUIET_S = 1.0  # a placement this quick (the usual case) is not worth a notice
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,12 @@ class RayEngine:
 
         self.close()  # a restarted generation's agents get a new group
         self._pg = placement_group([dict(self._per_node) for _ in range(self._want)], strategy="STRICT_SPREAD")
-        deadline, said = time.monotonic() + PLACEMENT_WAIT_S, False
+        t0, said = time.monotonic(), False
+        deadline = t0 + PLACEMENT_WAIT_S
         ready = self._pg.ready()
         try:
             while not ray.wait([ready], timeout=0.1)[0]:
-                if not said:
+                if not said and time.monotonic() - t0 > PLACEMENT_QUIET_S:
                     notice(f"waiting for Ray to place {self._want} agents, one per node, each with {self._per_node}")
                     said = True
                 if time.monotonic() > deadline:
