@@ -30,10 +30,11 @@ MAX_BYTES = 8 << 20  # more source than this is not sent (a folder of data by mi
 
 
 def _system_dirs() -> list[str]:
+    """Python's and the environment's folders, as given and as resolved."""
     paths = sysconfig.get_paths()
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, paths.get("stdlib", ""), paths.get("purelib", ""),
-            paths.get("platlib", "")}
-    return [os.path.realpath(d) for d in dirs if d]
+            paths.get("platlib", "")} - {""}
+    return sorted(dirs | {os.path.realpath(d) for d in dirs})
 
 
 def local_sources(limit: int = MAX_BYTES) -> dict[str, str]:
@@ -49,10 +50,13 @@ def local_sources(limit: int = MAX_BYTES) -> dict[str, str]:
             roots.append(root)
     found: dict[str, str] = {}
     total = 0
+    inside_system = tuple(d + os.sep for d in system)
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if not file or not file.endswith(".py") or name == "__main__" or name.startswith("nblaunch"):
             continue
+        if file.startswith(inside_system):
+            continue  # most modules: said without resolving the path (30 ms a launch for a thousand)
         path = os.path.realpath(file)
         root = next((r for r in roots if path.startswith(r + os.sep)), None)
         if root is None or any(path.startswith(d + os.sep) for d in system):
