@@ -114,26 +114,44 @@ class BenchKernel:
         self.km.shutdown_kernel(now=True)
 
 
-def measure(sizes, reps) -> dict:
-    kernel = BenchKernel()
-    kernel.run(SETUP)
-    hangs = []
+class GuardedKernel:
+    """A bench kernel (``setup`` run in it) for launchers that may hang: a
+    competitor's hang (seen: accelerate's warm-up launch in CI) is recorded
+    in ``hangs`` and its kernel replaced, so one hang does not end the
+    benchmark; a hang of nblaunch still does."""
 
-    def timed(name: str, n: int) -> float:
-        """One launch; a competitor that hangs is recorded (NaN) and its
-        kernel replaced, so one hang does not end the benchmark."""
-        nonlocal kernel
+    def __init__(self, setup: str):
+        self._setup = setup
+        self.hangs: list[str] = []
+        self.kernel = BenchKernel()
+        self.kernel.run(setup)
+
+    def call(self, name: str, what: str, fn):
+        """``fn(kernel)``, or None when launcher ``name`` hung in it."""
         try:
-            return kernel.seconds(f"launch_{name}({n})")
+            return fn(self.kernel)
         except TimeoutError:
             if name == "nblaunch":
                 raise
-            hangs.append(f"{name}({n})")
-            print(f"  {name}({n}) hung; restarting the kernel", file=sys.stderr, flush=True)
-            kernel.close()
-            kernel = BenchKernel()
-            kernel.run(SETUP)
-            return float("nan")
+            self.hangs.append(f"{name}{what}")
+            print(f"  {name}{what} hung; restarting the kernel", file=sys.stderr, flush=True)
+            self.kernel.close()
+            self.kernel = BenchKernel()
+            self.kernel.run(self._setup)
+            return None
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+def measure(sizes, reps) -> dict:
+    kernel = GuardedKernel(SETUP)
+    hangs = kernel.hangs
+
+    def timed(name: str, n: int) -> float:
+        """One launch (NaN: a competitor that hung)."""
+        value = kernel.call(name, f"({n})", lambda k: k.seconds(f"launch_{name}({n})"))
+        return float("nan") if value is None else value
 
     try:
         times = {name: {n: [] for n in sizes} for name in LAUNCHERS}
@@ -366,37 +384,17 @@ def measure_memory(mib: int, n: int) -> dict:
 
 def measure_failure(reps) -> dict:
     """Rank raises / rank SIGKILLed -> the cell raises, under each launcher in one kernel."""
-    setup = SETUP + JOBS_SETUP + FAILURE_SETUP
-    kernel = BenchKernel()
-    hangs = []
-
-    def guarded(name: str, what: str, call):
-        """A competitor that hangs (seen once: accelerate's warm-up launch in
-        CI) is recorded and its kernel replaced, as in ``measure``; a hang of
-        nblaunch still ends the benchmark."""
-        nonlocal kernel
-        try:
-            return call(kernel)
-        except TimeoutError:
-            if name == "nblaunch":
-                raise
-            hangs.append(f"{name} {what}")
-            print(f"  {name} {what} hung; restarting the kernel", file=sys.stderr, flush=True)
-            kernel.close()
-            kernel = BenchKernel()
-            kernel.run(setup)
-            return None
-
+    kernel = GuardedKernel(SETUP + JOBS_SETUP + FAILURE_SETUP)
+    guarded = kernel.call
     try:
-        kernel.run(setup)
         for name in LAUNCHERS:  # warm
-            guarded(name, "warm-up", lambda k: k.seconds(f"launch_{name}(2)"))
-        out: dict = {"hangs": hangs}
+            guarded(name, " warm-up", lambda k: k.seconds(f"launch_{name}(2)"))
+        out: dict = {"hangs": kernel.hangs}
         for kind in ("raise", "sigkill"):
             for name in LAUNCHERS:
                 seconds, blamed = [], set()
                 for _ in range(reps):
-                    text = guarded(name, kind, lambda k: k.run(
+                    text = guarded(name, f" {kind}", lambda k: k.run(
                         f"print('FAILED', failure_latency({kind!r}, {name!r}))", timeout=CALL_TIMEOUT_S))
                     if text is None:
                         continue
