@@ -37,7 +37,9 @@ from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Nodes, Placement
 from .stacks import collect, collectives, format_stacks
+from . import zygote
 from .worker import WorkerSpec, run_worker
+from .zygote import Zygote
 
 __all__ = ["RankPool", "LocalPool", "Lines", "Rewriting", "Message", "Exited", "Lost"]
 
@@ -238,10 +240,18 @@ class LocalPool(RankPool):
         self._closed = False
         self._procs: list[_Proc] = []
         self._child_ends: list[Connection] = []
+        self._rank_ends: list[tuple] = []  # each rank's (go, events, output) ends
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
+        self._zygote: Optional[Zygote] = None
         try:
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt)
+            if zygote.usable(plan.method):
+                kernel_ends = [end for end in self._ends if end not in self._child_ends]
+                self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
+                                                 zip(self._procs, self._rank_ends)], kernel_ends)
+                for p, forked in zip(self._procs, self._zygote.ranks):
+                    p.proc = forked
         except BaseException:  # an interrupt while the pipes are made: none is left open
             self._close_pipes()
             release_launch_dir(self.log_dir)
@@ -263,9 +273,10 @@ class LocalPool(RankPool):
             self._ends += ends
         go_r, go_w, ev_r, ev_w, out_r, out_w = ends
         self._child_ends += [go_r, ev_w, out_w]
+        self._rank_ends.append((go_r, ev_w, out_w))
         os.set_blocking(out_r.fileno(), False)
-        proc = ctx.Process(target=run_worker, args=(spec, job, go_r, ev_w, out_w),
-                           name=f"nblaunch-rank{local}", daemon=False)
+        proc = None if zygote.usable(plan.method) else ctx.Process(
+            target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
         self._procs.append(_Proc(spec, proc, go_w, ev_r, out_r))
 
     # -- starting ----------------------------------------------------------------
@@ -275,6 +286,10 @@ class LocalPool(RankPool):
 
         def start_all() -> None:
             try:
+                if self._zygote is not None:
+                    if not self._release.is_set():
+                        self._zygote.start()
+                    return
                 for p in self._procs:
                     if self._release.is_set():  # interrupted: start no more
                         break
@@ -553,8 +568,10 @@ class LocalPool(RankPool):
         return out
 
     def _close_pipes(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()  # closes its ranks' sentinels too
         for p in self._procs:
-            if p.proc.pid is not None and p.proc.exitcode is not None:
+            if p.proc is not None and p.proc.pid is not None and p.proc.exitcode is not None:
                 p.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it
             p.go.close()
             p.events.close()

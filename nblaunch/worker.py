@@ -91,7 +91,7 @@ def current_spec() -> Optional[WorkerSpec]:
 
 
 def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
-               output: Connection) -> None:
+               output: Connection, parent: Optional[int] = None) -> None:
     """Entry point of a rank process. ``go`` delivers the rank's place in the
     job (global rank, world size, where the ranks' store is) once every rank
     has been started and the nodes have met. Then the rank serves calls
@@ -99,14 +99,20 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     kwargs)``, or a ``payload.PackedJob`` of them when the rank was not
     forked); a live rank (``spec.live``, ``job`` None) those the kernel sends
     until it says ``CLOSE``, after reporting its set-up as call 0. Events
-    name the rank by its local rank: the kernel knows the rest."""
+    name the rank by its local rank: the kernel knows the rest. ``parent``:
+    the process that started this one, when it may already be gone (a rank
+    forked by :mod:`nblaunch.zygote`)."""
     global _current
-    _default_stop_signals()
-    parent = os.getppid()
-    _watch_parent(spec.kernel_pid, parent)
-    old_streams = _capture_output(output)
-    rank_env.become_rank(spec.environ if spec.environ is not None else rank_env.rank_environ(),
-                         old_streams, spec.logging_setup, forked=spec.forked, kernel_facts=spec.kernel_facts)
+    if _prepared is None:
+        _default_stop_signals()
+    _watch_parent(spec.kernel_pid, os.getppid() if parent is None else parent)
+    _point_fds(output)
+    if _prepared is None:
+        _become_rank(spec)
+    elif _prepared_said:
+        os.write(2, _prepared_said)
+    if isinstance(_prepared, BaseException):  # said here, where the rank's stderr is the kernel's pipe
+        raise _prepared
     if spec.stack_file:
         stacks.register(spec.stack_file)
     sender = EventSender(events)
@@ -473,12 +479,53 @@ def _process_watch(pid: int) -> Callable[[], bool]:
     return alive
 
 
-def _capture_output(output: Connection) -> tuple:
-    """Point fds 1 and 2 at the kernel's output pipe for this rank, and give
-    Python line-buffered streams on them (the kernel's own streams, inherited
-    through fork, would talk to the kernel's sockets). Returns the streams
-    ``sys.stdout``/``sys.stderr`` were before."""
-    old = (sys.stdout, sys.stderr)
+# None: this process is not ready to be a rank; True: it is (a rank forked
+# by nblaunch.zygote, which made itself ready once for all its ranks); an
+# exception: making it ready failed, and each rank raises it.
+_prepared: Any = None
+_prepared_said = b""  # what making it ready wrote on fds 1/2: each rank writes it on its own
+
+
+def prepare_for_ranks(spec: WorkerSpec) -> None:
+    """Everything of becoming a rank that is the same for every rank of a
+    generation, done in :mod:`nblaunch.zygote`'s process before it forks
+    them (the rest follows in :func:`run_worker`). What it writes (a shim
+    that could not adapt a library says so) is kept for the ranks' output;
+    this process's fds 0-2 are /dev/null afterwards."""
+    global _prepared, _prepared_said
+    import tempfile
+
+    _default_stop_signals()
+    with tempfile.TemporaryFile() as said:
+        os.dup2(said.fileno(), 1)
+        os.dup2(said.fileno(), 2)
+        try:
+            _become_rank(spec)
+            _prepared = True
+        except BaseException as exc:  # noqa: BLE001 - each rank reports it
+            _prepared = exc
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        said.seek(0)
+        _prepared_said = said.read()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def _become_rank(spec: WorkerSpec) -> None:
+    old_streams = _own_streams()
+    rank_env.become_rank(spec.environ if spec.environ is not None else rank_env.rank_environ(),
+                         old_streams, spec.logging_setup, forked=spec.forked, kernel_facts=spec.kernel_facts)
+
+
+def _point_fds(output: Connection) -> None:
+    """Point fds 1 and 2 at the kernel's output pipe for this rank, and fd 0
+    at /dev/null."""
     fd = output.fileno()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -486,6 +533,13 @@ def _capture_output(output: Connection) -> tuple:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+
+
+def _own_streams() -> tuple:
+    """Give Python line-buffered streams on fds 0-2 (the kernel's own
+    streams, inherited through fork, would talk to the kernel's sockets).
+    Returns the streams ``sys.stdout``/``sys.stderr`` were before."""
+    old = (sys.stdout, sys.stderr)
 
     def stream(num: int) -> io.TextIOWrapper:
         raw = open(num, "wb", closefd=False)

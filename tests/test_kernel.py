@@ -280,13 +280,16 @@ def test_a_killed_kernel_takes_what_its_ranks_started_with_it(tmp_path, method):
 
 
 @pytest.mark.parametrize("delay", [0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5])
-def test_a_kernel_killed_during_its_first_forkserver_launch_leaves_nothing_after_a_second(delay):
-    """The forkserver imports torch before it serves; it used to outlive the kernel by 2 s."""
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_a_kernel_killed_during_its_first_launch_leaves_nothing_after_a_second(method, delay):
+    """The forkserver imports torch before it serves; it used to outlive the
+    kernel by 2 s. Forked ranks come from a zygote, which must die with the
+    kernel at any moment, and its ranks with it."""
     k = Kernel()
     try:
         k.execute("from nblaunch import notebook_launcher\nimport time, torch")
         msg_id = k.execute_async(
-            "notebook_launcher(time.sleep, (600,), num_processes=2, start_method='forkserver', display='none')")
+            f"notebook_launcher(time.sleep, (600,), num_processes=2, start_method={method!r}, display='none')")
         kernel = psutil.Process(k.pid)
         seen: dict = {}
         deadline = time.monotonic() + delay

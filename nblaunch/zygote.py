@@ -1,0 +1,204 @@
+"""Forked ranks come from one copy of the kernel, made ready to be a rank once.
+
+A forked rank shares the kernel's memory until it writes to a page, and
+becoming a rank writes to many: leaving IPython, pointing logging at the
+rank's pipe, the library shims, and the first run of any inherited code
+(which writes the reference counts and caches of each object it touches).
+Measured per rank: about 1.7 MiB of the kernel's pages copied by that alone.
+So a fork-started generation's ranks are forked from one process, the
+*zygote* (as Android and Chromium name theirs): a copy of the kernel that
+does that work once (:func:`nblaunch.worker.prepare_for_ranks`) and then
+forks each rank, which shares those pages with it. The pages the kernel
+itself writes while its ranks run are likewise copied once, by the zygote,
+rather than once per rank.
+
+The zygote is started by the pool's starter thread (a thread that never ran
+OpenMP, see :mod:`nblaunch.pool`), and forks its ranks from its only
+thread. The kernel cannot wait for processes that are not its children, so
+the zygote tells it, on one pipe per rank, the rank's pid once forked and
+its exit status once reaped (that pipe is the rank's sentinel: readable once
+the rank has ended). It leaves when every rank has been reaped. It dies
+with the kernel (a parent-death signal) and its ranks die with it (theirs).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import signal
+import struct
+import sys
+import time
+from multiprocessing import util
+from typing import Any, Optional
+
+from . import worker
+
+__all__ = ["Zygote", "ZygoteRank", "usable"]
+
+_WORD = struct.Struct("q")
+_DEAD = -signal.SIGKILL  # the zygote died first: its ranks died with it (parent-death signal)
+
+
+def usable(method: str) -> bool:
+    """A zygote needs fork, and Linux's parent-death signal to tie its ranks to it."""
+    return method == "fork" and sys.platform.startswith("linux") and worker._prctl is not None
+
+
+class ZygoteRank:
+    """One rank forked by the zygote, with the part of
+    ``multiprocessing.Process``'s interface the pool uses."""
+
+    def __init__(self, status: int):
+        self._status = status  # read end: the pid, then the exit status
+        self.pid: Optional[int] = None
+        self._code: Optional[int] = None
+        self._closed = False
+
+    @property
+    def sentinel(self) -> int:
+        return self._status
+
+    def _read_pid(self, deadline: float, zygote: int) -> None:
+        # Written right after the fork; the zygote's end (its sentinel) or
+        # the deadline ends the wait for one that never comes.
+        while time.monotonic() < deadline:
+            ready = select.select([self._status, zygote], [], [], max(0.0, deadline - time.monotonic()))[0]
+            if self._status in ready:
+                data = os.read(self._status, _WORD.size)
+                if len(data) == _WORD.size:
+                    self.pid = _WORD.unpack(data)[0]
+                break
+            if ready:
+                break
+        os.set_blocking(self._status, False)
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        if self._code is None and self.pid is not None and not self._closed:
+            try:
+                data = os.read(self._status, _WORD.size)
+            except BlockingIOError:
+                return None
+            self._code = _WORD.unpack(data)[0] if len(data) == _WORD.size else _DEAD
+        return self._code
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self.pid is not None and not self._closed and self._code is None:
+            select.select([self._status], [], [], timeout)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._status)
+
+
+class Zygote:
+    """The kernel's side: ``ranks`` are ``(spec, job, go, events, output)``
+    for each rank, ``kernel_ends`` the pipe ends only the kernel uses (each
+    rank closes them, and every other rank's ends, so that a pipe ends when
+    its rank does)."""
+
+    def __init__(self, ctx, ranks: list[tuple], kernel_ends: list):
+        pipes = [os.pipe() for _ in ranks]
+        self.ranks = [ZygoteRank(r) for r, _ in pipes]
+        self._writes = [w for _, w in pipes]
+        others = [[end for j, rank in enumerate(ranks) if j != i for end in rank[2:]] for i in range(len(ranks))]
+        kernel_only = [*kernel_ends, *(r for r, _ in pipes)]
+        self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only, others),
+                                 name="nblaunch-zygote", daemon=False)
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the zygote and learn every rank's pid (a rank it could not
+        fork keeps ``pid`` None)."""
+        try:
+            self._proc.start()
+        finally:
+            for w in self._writes:
+                os.close(w)
+            self._writes = []
+        deadline = time.monotonic() + timeout
+        for i, rank in enumerate(self.ranks):
+            rank._read_pid(deadline, self._proc.sentinel)
+            if rank.pid is None:
+                raise OSError(f"the process that forks the ranks could not start local rank {i} "
+                              f"(it {'ended with code ' + str(self._proc.exitcode) if self._proc.exitcode is not None else 'did not answer'})")
+
+    def close(self) -> None:
+        """Once its ranks are gone: the zygote reaps them and leaves."""
+        for w in self._writes:
+            os.close(w)
+        self._writes = []
+        if self._proc.pid is not None:
+            self._proc.join(2.0)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join()
+            self._proc.close()
+        for rank in self.ranks:
+            rank.close()
+
+
+def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list, others: list[list]) -> None:
+    """The zygote's whole life (see module doc). ``parent``: the kernel (or
+    the node agent) that started it."""
+    worker._prctl(worker._PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+    for end in kernel_only:
+        _close(end)
+    # Jupyter interrupts the kernel's process group: that SIGINT is not for
+    # the zygote, and its ranks take their own groups.
+    os.setpgid(0, 0)
+    worker.prepare_for_ranks(ranks[0][0])
+    me = os.getpid()
+    children: dict[int, int] = {}
+    for i, (spec, job, go, events, output) in enumerate(ranks):
+        try:
+            pid = os.fork()
+        except OSError:
+            break  # the kernel reads no pid for this rank and the rest, and says so
+        if pid == 0:
+            _become_rank_process(spec, job, go, events, output, me, writes + others[i])
+        children[pid] = i
+        os.write(writes[i], _WORD.pack(pid))
+    for i in set(range(len(writes))) - set(children.values()):
+        os.close(writes[i])
+    for rank in ranks:  # the ranks' ends are theirs alone: each pipe ends with its rank
+        for end in rank[2:]:
+            end.close()
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        i = children.pop(pid, None)
+        if i is not None:
+            os.write(writes[i], _WORD.pack(os.waitstatus_to_exitcode(status)))
+            os.close(writes[i])
+    os._exit(0)
+
+
+def _close(end) -> None:
+    """A pipe end: an fd, or a ``Connection``."""
+    if isinstance(end, int):
+        os.close(end)
+    else:
+        end.close()
+
+
+def _become_rank_process(spec, job, go, events, output, zygote: int, close: list) -> None:
+    try:
+        for end in close:
+            _close(end)
+        # What multiprocessing's start-up does for a forked Process.
+        multiprocessing.current_process().name = f"nblaunch-rank{spec.local_rank}"
+        util._run_after_forkers()
+        worker.run_worker(spec, job, go, events, output, parent=zygote)
+    except BaseException:  # noqa: BLE001 - as multiprocessing's start-up says it
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)

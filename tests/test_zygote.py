@@ -1,0 +1,129 @@
+"""Forked ranks come from one zygote (nblaunch/zygote.py): a copy of the
+kernel made ready to be a rank once, so that each rank shares those pages
+instead of copying them. Real kernels and real processes."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import types
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from conftest import Kernel
+from nblaunch import notebook_launcher
+
+pytestmark = pytest.mark.timeout(300)
+
+OWN_MEMORY = """
+import json, os, socket, psutil, torch, torch.distributed as dist, torch.multiprocessing as tmp
+import logging, tqdm.auto, transformers.trainer, pytorch_lightning, accelerate
+logging.basicConfig(level=logging.INFO)
+from nblaunch import notebook_launcher
+
+def own_memory(out):
+    dist.barrier()
+    uss = psutil.Process().memory_full_info().uss   # pages this rank alone holds
+    dist.barrier()                                  # every rank measured before any leaves
+    with open(os.path.join(out, str(dist.get_rank())), "w") as f:
+        f.write(str(uss))
+
+def torch_rank(i, n, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE=str(n))
+    dist.init_process_group("gloo")
+    own_memory(out)
+    dist.destroy_process_group()
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def ranks_memory(launcher, out, n=3):
+    os.makedirs(out)
+    if launcher == "nblaunch":
+        notebook_launcher(own_memory, args=(out,), num_processes=n, start_method="fork", display="none")
+    else:
+        tmp.start_processes(torch_rank, args=(n, free_port(), out), nprocs=n, start_method="fork")
+    return sum(int(open(os.path.join(out, str(r))).read()) for r in range(n))
+"""
+
+
+def test_forked_ranks_own_memory_stays_within_a_fifth_of_torch_forks(tmp_path):
+    """The issue's bound (bench/run.py holds the measured ratio): before the
+    zygote, each forked rank copied about 2 MiB more of the kernel's pages
+    than a torch.multiprocessing rank (1.3x), by becoming a rank on its own."""
+    k = Kernel()
+    try:
+        reply = k.execute(OWN_MEMORY, timeout=180)
+        assert reply.error is None, reply.error
+        notebook_launcher_warm = k.execute("notebook_launcher(lambda: None, num_processes=3, display='none')")
+        assert notebook_launcher_warm.error is None, notebook_launcher_warm.error
+        seen: dict = {"nblaunch": [], "torch": []}
+        for i in range(2):  # alternating, the smaller of two: one reading can catch a stray page burst
+            for launcher in seen:
+                reply = k.execute(f"print(ranks_memory({launcher!r}, {str(tmp_path / f'{launcher}{i}')!r}))")
+                assert reply.error is None, reply.error
+                seen[launcher].append(int(reply.stdout.split()[-1]))
+        ours, theirs = min(seen["nblaunch"]), min(seen["torch"])
+        assert ours <= 1.2 * theirs, f"ranks' own memory: nblaunch {ours / 2**20:.1f} MiB, torch fork {theirs / 2**20:.1f} MiB"
+    finally:
+        k.shutdown()
+
+
+class _Unclearable(dict):
+    def clear(self):
+        raise RuntimeError("this state cannot be cleared")
+
+
+def said_nothing():
+    return dist.get_rank()
+
+
+def test_a_shim_that_cannot_adapt_a_library_says_so_in_every_forked_ranks_output(monkeypatch, capsys):
+    """What making the ranks ready writes is written once, in the zygote, and
+    must still reach each rank's output (and so the cell), as when each rank
+    made itself ready."""
+    state = types.ModuleType("accelerate.state")
+    state.AcceleratorState = type("AcceleratorState", (), {"_shared_state": _Unclearable(made_in="kernel")})
+    monkeypatch.setitem(sys.modules, "accelerate.state", state)
+    assert notebook_launcher(said_nothing, num_processes=2, start_method="fork") == [0, 1]
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert (f"[rank {rank}] [nblaunch] could not adapt accelerate.state for a rank: "
+                "RuntimeError('this state cannot be cleared')") in out, out
+
+
+def parents():
+    import os
+
+    return os.getppid()
+
+
+def test_forked_ranks_share_one_parent_that_leaves_with_them():
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    ppids = notebook_launcher(parents, num_processes=3, start_method="fork", display="none")
+    assert len(set(ppids)) == 1 and ppids[0] != me.pid  # the zygote, not the kernel
+    left = [p for p in me.children(recursive=True) if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left
+
+
+def exit_after_print(code):
+    print(f"leaving with {code}", flush=True)
+    import os
+
+    os._exit(code)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_forked_ranks_exit_code_reaches_the_kernel_through_the_zygote(code):
+    """The kernel cannot wait for its grandchildren: the zygote reaps each rank
+    and passes its exit status on."""
+    from nblaunch.errors import WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        notebook_launcher(exit_after_print, args=(code,), num_processes=2, start_method="fork", display="none")
+    assert f"code {code}" in str(info.value) and f"leaving with {code}" in str(info.value)
