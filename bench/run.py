@@ -11,7 +11,8 @@ of them alike; we report medians and ratios, not absolute seconds.
 
 Besides launch time: relaunch (cold and warm forkserver), failure latency,
 spawn (where each launcher can run it at all) and memory (4 ranks given a
-1 GiB tensor, under each launcher and start method).
+1 GiB tensor, under each launcher and start method; and forked ranks' own
+memory at each rank count, against torch fork's).
 """
 from __future__ import annotations
 
@@ -358,28 +359,44 @@ MEMORY_CASES = (("nblaunch", "fork"), ("nblaunch", "forkserver"), ("nblaunch", "
                 ("torch", "fork"), ("torch", "spawn"), ("accelerate", "fork"))
 
 
+def _memory_case(launcher: str, method: str, n: int, mib: int) -> dict:
+    """One memory reading, in a fresh kernel, so one launcher's
+    shared-memory choices cannot leak into the next one's numbers."""
+    kernel = BenchKernel()
+    try:
+        kernel.run(SETUP + JOBS_SETUP + MEMORY_SETUP)
+        kernel.run(f"_make_big({mib})")
+        print(f"  memory {launcher} {method} {n} ranks ...", file=sys.stderr, flush=True)
+        text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
+        return json.loads(text.split("MEMORY ", 1)[1])
+    finally:
+        kernel.close()
+
+
 def measure_memory(mib: int, n: int) -> dict:
     """``n`` ranks each given the same ``mib`` MiB tensor from the kernel:
     the memory the ranks own (sum of USS), and the extra memory of the
-    kernel's process tree (kernel, ranks, forkserver and other helpers; sum
-    of PSS) while they hold it, against the same sum just before the launch
-    (after a warm-up launch, so a forkserver started once per kernel is in
-    both readings). Each case in a fresh kernel, so one
-    launcher's shared-memory choices cannot leak into the next one's numbers.
+    kernel's process tree (kernel, ranks, forkserver, zygote and other
+    helpers; sum of PSS) while they hold it, against the same sum just
+    before the launch (after a warm-up launch, so a forkserver started once
+    per kernel is in both readings). Each case in a fresh kernel.
     (The machine's available memory was tried first: it dropped by 400 MiB
     across a launch whose ranks had all exited.)"""
-    out = {}
-    for launcher, method in MEMORY_CASES:
-        kernel = BenchKernel()
-        try:
-            kernel.run(SETUP + JOBS_SETUP + MEMORY_SETUP)
-            kernel.run(f"_make_big({mib})")
-            print(f"  memory {launcher} {method} ...", file=sys.stderr, flush=True)
-            text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
-            out[f"{launcher} {method}"] = json.loads(text.split("MEMORY ", 1)[1])
-        finally:
-            kernel.close()
+    out = {f"{launcher} {method}": _memory_case(launcher, method, n, mib) for launcher, method in MEMORY_CASES}
     return {"tensor_mib": mib, "ranks": n, "cases": out}
+
+
+FORK_LAUNCHERS = ("nblaunch", "torch", "accelerate")
+
+
+def measure_fork_memory(mib: int, sizes) -> dict:
+    """Forked ranks' own memory (sum of USS) by rank count, under each
+    launcher that forks, and nblaunch's ratio to torch fork's."""
+    by_ranks = {}
+    for n in sizes:
+        uss = {launcher: _memory_case(launcher, "fork", n, mib)["ranks_uss_mib"] for launcher in FORK_LAUNCHERS}
+        by_ranks[n] = {"ranks_uss_mib": uss, "nblaunch/torch_fork": uss["nblaunch"] / uss["torch"]}
+    return {"tensor_mib": mib, "by_ranks": by_ranks}
 
 
 def measure_failure(reps) -> dict:
@@ -479,6 +496,16 @@ def memory_table(memory: dict) -> str:
     return "\n".join(lines)
 
 
+def fork_memory_table(memory: dict) -> str:
+    lines = [f"| forked ranks' own memory (MiB, sum of USS; {memory['tensor_mib']} MiB tensor) | "
+             + " | ".join(f"{name} fork" for name in FORK_LAUNCHERS) + " | nblaunch / torch fork |",
+             "|---" * (len(FORK_LAUNCHERS) + 2) + "|"]
+    for n, row in memory["by_ranks"].items():
+        lines.append(f"| {n} ranks | " + " | ".join(f"{row['ranks_uss_mib'][name]:.1f}" for name in FORK_LAUNCHERS)
+                     + f" | {row['nblaunch/torch_fork']:.2f} |")
+    return "\n".join(lines)
+
+
 def plot(summary: dict, sizes, path: Path) -> None:
     import matplotlib
 
@@ -526,11 +553,13 @@ def main(argv=None) -> int:
     summary["failure_latency_s"] = measure_failure(reps)
     summary["spawn_2_ranks"] = measure_spawn(1 if opts.smoke else 3)
     summary["memory"] = measure_memory(64 if opts.smoke else 1024, 2 if opts.smoke else 4)
+    summary["fork_memory"] = measure_fork_memory(64 if opts.smoke else 1024, sizes)
     summary["per_added_rank_s"] = per_added_rank(summary, sizes)
     print(table(summary, sizes))
-    if summary["per_added_rank_s"]:
-        print("launch cost per added rank: " + ", ".join(
-            f"{name} {1000 * s:.1f} ms" for name, s in summary["per_added_rank_s"].items()))
+    added = summary["per_added_rank_s"]
+    if added:
+        print("launch cost per added rank: " + ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in added.items())
+              + f"; nblaunch / torch fork {added['nblaunch'] / added['torch_fork']:.2f} (goal <= 1.1)")
     if times["hangs"]:
         print(f"hung (timed out after {CALL_TIMEOUT_S:g} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
@@ -547,6 +576,8 @@ def main(argv=None) -> int:
           f"torch spawn with a notebook fn: {sp['torch_spawn_notebook_fn']}")
     print()
     print(memory_table(summary["memory"]))
+    print()
+    print(fork_memory_table(summary["fork_memory"]) + "\n(goal: nblaunch / torch fork <= 1.2)")
     if not opts.smoke:
         opts.out.mkdir(parents=True, exist_ok=True)
         record = {"versions": versions(), "reps": reps, "raw_s": times, **summary}

@@ -15,7 +15,9 @@ it, and GNU OpenMP keeps its worker pool per thread: forking from a thread
 that never ran a parallel region gives the child a clean pool, so a kernel
 that already ran ``torch.randn(n).sum()`` cannot hang the ranks. The helper
 thread lives as long as the kernel because Linux sends the ranks'
-parent-death signal when the *thread* that forked them ends.
+parent-death signal when the *thread* that forked them ends. On Linux,
+forked ranks come from one :class:`~nblaunch.zygote.Zygote` per generation,
+which that thread forks (see :mod:`nblaunch.zygote` for why).
 """
 from __future__ import annotations
 
@@ -510,7 +512,11 @@ class LocalPool(RankPool):
 
     def ended(self, rank: int) -> bool:
         p = self._procs[rank]
-        return p.exited or (p.proc.pid is not None and p.proc.exitcode is not None)  # exitcode reaps
+        if p.exited or p.proc.pid is None:
+            return p.exited
+        # exitcode reaps a child of this process; a rank the zygote forked may
+        # be dead and not yet reaped (and so heard of) by it.
+        return p.proc.exitcode is not None or not _alive(p.proc.pid)
 
     def alive(self, rank: int) -> bool:
         p = self._procs[rank]
@@ -570,6 +576,12 @@ class LocalPool(RankPool):
     def _close_pipes(self) -> None:
         if self._zygote is not None:
             self._zygote.close()  # closes its ranks' sentinels too
+            # Reaped on the thread that forked it, which makes every other
+            # child of this kernel's launches too (no two waits for one pid).
+            if self._starter is not None:
+                self._starter.submit(self._zygote.reap)
+            else:
+                self._zygote.reap()
         for p in self._procs:
             if p.proc is not None and p.proc.pid is not None and p.proc.exitcode is not None:
                 p.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it

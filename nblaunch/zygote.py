@@ -30,7 +30,7 @@ import struct
 import sys
 import time
 from multiprocessing import util
-from typing import Any, Optional
+from typing import Optional
 
 from . import worker
 
@@ -125,18 +125,24 @@ class Zygote:
                               f"(it {'ended with code ' + str(self._proc.exitcode) if self._proc.exitcode is not None else 'did not answer'})")
 
     def close(self) -> None:
-        """Once its ranks are gone: the zygote reaps them and leaves."""
+        """Once its ranks are gone (the zygote reaps them, then leaves)."""
         for w in self._writes:
             os.close(w)
         self._writes = []
-        if self._proc.pid is not None:
-            self._proc.join(2.0)
+        for rank in self.ranks:
+            rank.close()
+
+    def reap(self, timeout: float = 2.0) -> None:
+        """Wait for the zygote to leave (killed after ``timeout``). Not on
+        the launch's way back: its exit takes milliseconds, as it frees a
+        copy of the kernel's address space, and its ranks have all been
+        reaped and heard of before."""
+        if self._proc.pid is not None and self._proc._popen is not None:
+            self._proc.join(timeout)
             if self._proc.exitcode is None:
                 self._proc.kill()
                 self._proc.join()
             self._proc.close()
-        for rank in self.ranks:
-            rank.close()
 
 
 def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list, others: list[list]) -> None:

@@ -33,6 +33,22 @@ def _is_ours(p: psutil.Process) -> bool:
         return False
 
 
+def cmdline(p: psutil.Process) -> str:
+    """``p``'s command line; "" once it has ended (a zombie not yet reaped,
+    such as a zygote whose ranks have all left, counts as ended)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def launch_processes(pid: int) -> list[int]:
+    """What launches made under process ``pid``, less multiprocessing's
+    forkserver and resource tracker (they live as long as ``pid``, by design)."""
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)
+            if "forkserver" not in cmdline(p) and "resource_tracker" not in cmdline(p)]
+
+
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` runs; return the ones still running."""
     deadline = time.monotonic() + timeout

@@ -8,10 +8,9 @@ import json
 import re
 import textwrap
 
-import psutil
 import pytest
 
-from conftest import START_METHODS, Kernel, rows_updates, wait_gone, widget_html
+from conftest import START_METHODS, Kernel, launch_processes, rows_updates, wait_gone, widget_html
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -325,10 +324,7 @@ def test_dataloader_workers_over_a_notebook_dataset(nb, tmp_path, method):
     workers = [int(p) for p in workers_file.read_text().split()]
     assert len(workers) == 2
     assert wait_gone(workers, timeout=10) == []
-    kernel = psutil.Process(nb.pid)
-    assert wait_gone([p.pid for p in kernel.children(recursive=True)
-                      if "forkserver" not in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())],
-                     timeout=10) == []
+    assert wait_gone(launch_processes(nb.pid), timeout=10) == []
 
 
 COLOURS = """

@@ -3,16 +3,14 @@ kernel made ready to be a rank once, so that each rank shares those pages
 instead of copying them. Real kernels and real processes."""
 from __future__ import annotations
 
-import json
 import sys
-import textwrap
 import types
 
 import psutil
 import pytest
 import torch.distributed as dist
 
-from conftest import Kernel
+from conftest import Kernel, wait_gone
 from nblaunch import notebook_launcher
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,8 +57,8 @@ def test_forked_ranks_own_memory_stays_within_a_fifth_of_torch_forks(tmp_path):
     try:
         reply = k.execute(OWN_MEMORY, timeout=180)
         assert reply.error is None, reply.error
-        notebook_launcher_warm = k.execute("notebook_launcher(lambda: None, num_processes=3, display='none')")
-        assert notebook_launcher_warm.error is None, notebook_launcher_warm.error
+        warm = k.execute("notebook_launcher(lambda: None, num_processes=3, display='none')")
+        assert warm.error is None, warm.error
         seen: dict = {"nblaunch": [], "torch": []}
         for i in range(2):  # alternating, the smaller of two: one reading can catch a stray page burst
             for launcher in seen:
@@ -107,8 +105,8 @@ def test_forked_ranks_share_one_parent_that_leaves_with_them():
     before = {p.pid for p in me.children(recursive=True)}
     ppids = notebook_launcher(parents, num_processes=3, start_method="fork", display="none")
     assert len(set(ppids)) == 1 and ppids[0] != me.pid  # the zygote, not the kernel
-    left = [p for p in me.children(recursive=True) if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
-    assert left == [], left
+    new = [p.pid for p in me.children(recursive=True) if p.pid not in before]
+    assert wait_gone(new, timeout=5) == []
 
 
 def exit_after_print(code):
@@ -127,3 +125,50 @@ def test_a_forked_ranks_exit_code_reaches_the_kernel_through_the_zygote(code):
     with pytest.raises(WorkerError) as info:
         notebook_launcher(exit_after_print, args=(code,), num_processes=2, start_method="fork", display="none")
     assert f"code {code}" in str(info.value) and f"leaving with {code}" in str(info.value)
+
+
+def peer_error_after_a_silent_death():
+    """Rank 1 dies at once, its death unheard while the zygote is held
+    (SIGSTOP); rank 0 then reports the lost peer, a consequence."""
+    import os
+    import signal
+    import time
+
+    if dist.get_rank() == 1:
+        os.kill(os.getppid(), signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+
+def test_a_rank_dead_but_not_yet_reaped_by_the_zygote_is_still_the_root_cause():
+    """When the consequence's hold ends, nblaunch stops every rank still
+    running and judges their deaths as its own doing. A rank that had
+    already died, but whose exit the zygote had not passed on yet, was
+    counted among them and its peer blamed (seen under load in the suite)."""
+    import signal
+    import threading
+
+    from nblaunch.errors import WorkerError
+
+    me = psutil.Process()
+    done = threading.Event()
+
+    def resume_held_zygotes() -> None:
+        while not done.wait(0.05):
+            for p in me.children(recursive=True):
+                try:
+                    if p.status() == psutil.STATUS_STOPPED and done.wait(1.0) is False:
+                        p.send_signal(signal.SIGCONT)  # a second after the hold has ended
+                except psutil.Error:
+                    pass
+
+    thread = threading.Thread(target=resume_held_zygotes, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(WorkerError) as info:
+            notebook_launcher(peer_error_after_a_silent_death, num_processes=2, start_method="fork", display="none")
+    finally:
+        done.set()
+        thread.join()
+    assert info.value.rank == 1 and info.value.root.kind == "signal", str(info.value)
