@@ -32,7 +32,7 @@ needs_slurm = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
 
 def _agents(job: str) -> list[psutil.Process]:
     """Every nblaunch agent and rank of a cluster launch on allocation ``job``
-    (the ranks are forked agents: the same command line), and the srun that
+    (the zygotes and ranks are forked agents: the same command line), and the srun that
     started them, zombies aside. They are SLURM's children, not the test's,
     so the usual check does not see them; other launches running beside
     this test (the SLURM notebook in the other test process) are not ours."""
@@ -262,7 +262,7 @@ def wait():
     time.sleep(120)
 nblaunch.notebook_launcher(wait, num_processes=2, cluster="slurm", display="text")""")
         k.wait_for_output("waiting", timeout=120)
-        assert len([p for p in _agents(allocation) if p.name() != "srun"]) == 2 + 4  # two agents, four ranks
+        assert len([p for p in _agents(allocation) if p.name() != "srun"]) == 2 + 2 + 4  # agents, their zygotes, ranks
         os.kill(k.pid, signal.SIGKILL)
         t0 = time.monotonic()
         _nothing_left(allocation, timeout=15)
