@@ -331,11 +331,32 @@ def _make_big(mib):
     t = threading.Thread(target=lambda: _big.append(torch.ones(mib * 2**20 // 4)))
     t.start(); t.join()
 
+def _settle():
+    # Until what the warm-up started has left (a fork launch's zygote leaves
+    # a few ms after the launch returns; read while it tears its copy of the
+    # kernel down, the baseline missed ~500 MiB shared with it). The
+    # forkserver and resource tracker stay, by design.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rest = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                cmd = "(zombie)"
+            if "forkserver" not in cmd and "resource_tracker" not in cmd:
+                rest.append(p)
+        if not rest:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"the warm-up launch left {rest}")
+
 def memory(launcher, method, n):
     # Warm-up first, so a forkserver started once per kernel is not counted
     # as if every launch paid for it.
     if launcher == "nblaunch":
         notebook_launcher(jobs.job, num_processes=n, start_method=method, display="none")
+        _settle()
     d = tempfile.mkdtemp()
     args = (_big[0], d, os.getpid())
     base = jobs.tree_pss(os.getpid())

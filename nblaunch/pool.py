@@ -25,6 +25,7 @@ import abc
 import collections
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -679,6 +680,8 @@ class _Starter:
             fn, done = self._jobs.get()
             try:
                 fn()
+            except Exception as exc:  # noqa: BLE001 - this thread must outlive any one job
+                print(f"[nblaunch] a job of the thread that starts ranks failed: {exc!r}", file=sys.stderr)
             finally:
                 done.set()
 

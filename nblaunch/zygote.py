@@ -137,12 +137,16 @@ class Zygote:
         the launch's way back: its exit takes milliseconds, as it frees a
         copy of the kernel's address space, and its ranks have all been
         reaped and heard of before."""
-        if self._proc.pid is not None and self._proc._popen is not None:
+        if self._proc.pid is None or self._proc._popen is None:
+            return
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            self._proc.kill()
             self._proc.join(timeout)
-            if self._proc.exitcode is None:
-                self._proc.kill()
-                self._proc.join()
+        try:
             self._proc.close()
+        except ValueError:  # reaped by someone else's waitpid: nothing of it is left
+            pass
 
 
 def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list, others: list[list]) -> None:
