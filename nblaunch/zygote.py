@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import select
 import signal
 import struct
 import sys
 import time
 from multiprocessing import util
+from multiprocessing.connection import wait
 from typing import Optional
 
 from . import worker
@@ -62,15 +62,11 @@ class ZygoteRank:
     def _read_pid(self, deadline: float, zygote: int) -> None:
         # Written right after the fork; the zygote's end (its sentinel) or
         # the deadline ends the wait for one that never comes.
-        while time.monotonic() < deadline:
-            ready = select.select([self._status, zygote], [], [], max(0.0, deadline - time.monotonic()))[0]
-            if self._status in ready:
-                data = os.read(self._status, _WORD.size)
-                if len(data) == _WORD.size:
-                    self.pid = _WORD.unpack(data)[0]
-                break
-            if ready:
-                break
+        ready = wait([self._status, zygote], max(0.0, deadline - time.monotonic()))
+        if self._status in ready:
+            data = os.read(self._status, _WORD.size)
+            if len(data) == _WORD.size:
+                self.pid = _WORD.unpack(data)[0]
         os.set_blocking(self._status, False)
 
     @property
@@ -85,7 +81,7 @@ class ZygoteRank:
 
     def join(self, timeout: Optional[float] = None) -> None:
         if self.pid is not None and not self._closed and self._code is None:
-            select.select([self._status], [], [], timeout)
+            wait([self._status], timeout)
 
     def close(self) -> None:
         if not self._closed:
@@ -109,8 +105,8 @@ class Zygote:
                                  name="nblaunch-zygote", daemon=False)
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start the zygote and learn every rank's pid (a rank it could not
-        fork keeps ``pid`` None)."""
+        """Start the zygote and learn every rank's pid; OSError if a rank
+        could not be started (its ``pid`` stays None)."""
         try:
             self._proc.start()
         finally:
@@ -121,8 +117,9 @@ class Zygote:
         for i, rank in enumerate(self.ranks):
             rank._read_pid(deadline, self._proc.sentinel)
             if rank.pid is None:
+                code = self._proc.exitcode
                 raise OSError(f"the process that forks the ranks could not start local rank {i} "
-                              f"(it {'ended with code ' + str(self._proc.exitcode) if self._proc.exitcode is not None else 'did not answer'})")
+                              f"({'it did not answer' if code is None else f'it ended with code {code}'})")
 
     def close(self) -> None:
         """Once its ranks are gone (the zygote reaps them, then leaves)."""
