@@ -172,3 +172,18 @@ def test_a_rank_dead_but_not_yet_reaped_by_the_zygote_is_still_the_root_cause():
         done.set()
         thread.join()
     assert info.value.rank == 1 and info.value.root.kind == "signal", str(info.value)
+
+
+def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
+    """The zygote's death before its ranks exist (stood in for by an exit in
+    its set-up: a failed fork is hard to make as root) fails the launch at
+    once, saying so, and leaves no process or pipe behind."""
+    import os
+
+    from nblaunch import LaunchError, worker
+
+    monkeypatch.setattr(worker, "prepare_for_ranks", lambda spec: os._exit(3))
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LaunchError, match=r"could not start local rank 0 \(it ended with code 3\)"):
+        notebook_launcher(said_nothing, num_processes=2, start_method="fork", display="none")
+    assert len(os.listdir("/proc/self/fd")) <= fds
