@@ -40,9 +40,8 @@ from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Nodes, Placement
 from .stacks import collect, collectives, format_stacks
-from . import zygote
 from .worker import WorkerSpec, run_worker
-from .zygote import Zygote
+from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["RankPool", "LocalPool", "Lines", "Rewriting", "Message", "Exited", "Lost"]
 
@@ -249,7 +248,7 @@ class LocalPool(RankPool):
         try:
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt)
-            if zygote.usable(plan.method):
+            if zygote_usable(plan.method):
                 kernel_ends = [end for end in self._ends if end not in self._child_ends]
                 self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
                                                  zip(self._procs, self._rank_ends)], kernel_ends)
@@ -278,7 +277,7 @@ class LocalPool(RankPool):
         self._child_ends += [go_r, ev_w, out_w]
         self._rank_ends.append((go_r, ev_w, out_w))
         os.set_blocking(out_r.fileno(), False)
-        proc = None if zygote.usable(plan.method) else ctx.Process(
+        proc = None if zygote_usable(plan.method) else ctx.Process(  # None: the zygote's, set in __init__
             target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
         self._procs.append(_Proc(spec, proc, go_w, ev_r, out_r))
 

@@ -2,12 +2,13 @@
 
 ``become_rank`` is called once, early, from :func:`nblaunch.worker.run_worker`,
 whatever started the rank (for forked ranks on Linux, once for all of them,
-by the zygote that forks them: :mod:`nblaunch.zygote`). A forked rank is a copy of the kernel: IPython's
-shell, ``sys.ps1``, the kernel's display and exception hooks, logging handlers
-that write to the kernel's sockets, and every answer a library worked out at
-import time ("am I in a notebook?") come with it. Spawned and forkserver ranks
-start clean but inherit the wrong multiprocessing start method and, under
-forkserver, the environment of the moment the server started. This module
+by the zygote that forks them: :mod:`nblaunch.zygote`). A forked rank is a
+copy of the kernel: IPython's shell, ``sys.ps1``, the kernel's display and
+exception hooks, logging handlers that write to the kernel's sockets, and
+every answer a library worked out at import time ("am I in a notebook?")
+come with it. Spawned and forkserver ranks start clean but inherit the wrong
+multiprocessing start method and, under forkserver, the environment of the
+moment the server started. This module
 makes each of them what a torchrun rank on the same machine would see.
 
 The contract, for every start method:
