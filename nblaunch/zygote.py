@@ -117,6 +117,7 @@ class Zygote:
         for i, rank in enumerate(self.ranks):
             rank._read_pid(deadline, self._proc.sentinel)
             if rank.pid is None:
+                self._proc.join(1.0)  # its pipes close a moment before it can be reaped
                 code = self._proc.exitcode
                 raise OSError(f"the process that forks the ranks could not start local rank {i} "
                               f"({'it did not answer' if code is None else f'it ended with code {code}'})")

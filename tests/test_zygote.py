@@ -179,6 +179,7 @@ def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
     its set-up: a failed fork is hard to make as root) fails the launch at
     once, saying so, and leaves no process or pipe behind."""
     import os
+    import time
 
     from nblaunch import LaunchError, worker
 
@@ -186,4 +187,7 @@ def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(LaunchError, match=r"could not start local rank 0 \(it ended with code 3\)"):
         notebook_launcher(said_nothing, num_processes=2, start_method="fork", display="none")
+    deadline = time.monotonic() + 10  # the zygote is reaped, and its pipe closed, just after the launch returns
+    while len(os.listdir("/proc/self/fd")) > fds and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) <= fds
