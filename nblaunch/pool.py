@@ -245,10 +245,11 @@ class LocalPool(RankPool):
         self._rank_ends: list[tuple] = []  # each rank's (go, events, output) ends
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
         self._zygote: Optional[Zygote] = None
+        forks_by_zygote = zygote_usable(plan.method)
         try:
             for local in range(self.size):
-                self._make_rank(plan, local, job, attempt)
-            if zygote_usable(plan.method):
+                self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
+            if forks_by_zygote:
                 kernel_ends = [end for end in self._ends if end not in self._child_ends]
                 self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
                                                  zip(self._procs, self._rank_ends)], kernel_ends)
@@ -259,7 +260,9 @@ class LocalPool(RankPool):
             release_launch_dir(self.log_dir)
             raise
 
-    def _make_rank(self, plan, local: int, job: Any, attempt: int) -> None:
+    def _make_rank(self, plan, local: int, job: Any, attempt: int, own_process: bool) -> None:
+        """The rank's spec and pipes; its ``multiprocessing.Process`` when
+        ``own_process`` (else the zygote's, set once every rank is made)."""
         base, ctx = plan.specs_base, plan.ctx
         spec = WorkerSpec(rank=local, local_rank=local, restart_count=attempt,
                           stack_file=str(self.log_dir / f"local{local}.stacks"),
@@ -277,7 +280,7 @@ class LocalPool(RankPool):
         self._child_ends += [go_r, ev_w, out_w]
         self._rank_ends.append((go_r, ev_w, out_w))
         os.set_blocking(out_r.fileno(), False)
-        proc = None if zygote_usable(plan.method) else ctx.Process(  # None: the zygote's, set in __init__
+        proc = None if not own_process else ctx.Process(
             target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
         self._procs.append(_Proc(spec, proc, go_w, ev_r, out_r))
 
