@@ -10,7 +10,14 @@ first request, queued on the forkserver's socket, holds a copy of the
 
 * Linux is asked to end the forkserver when the thread that started it
   (nblaunch's starter thread, which lives as long as the kernel) ends;
-* a kernel that died before that request is looked for once, now;
+* a kernel that died before that request is looked for once, now, by its
+  identity: the pid and start time it put in its environment
+  (``plan.FORKSERVER_STARTER_ENV``) before starting the forkserver. Only
+  that process's death counts: what started the kernel (a shell script that
+  has exited, cron, a CI runner, a supervisor) and which process group or
+  session it is in say nothing about it. A process that merely inherited
+  the value (a child of the kernel that starts a forkserver of its own)
+  names a kernel that still runs, not its parent, and is let be;
 * a small watcher process, forked now (before any thread or torch), waits
   for the kernel's exit (a pidfd) and ends the forkserver: a process, since
   a thread would wait for the GIL while torch initialises (0.5-0.8 s
@@ -23,26 +30,21 @@ import signal
 import sys
 import time
 
+from . import procid
+from .plan import FORKSERVER_STARTER_ENV  # importing nblaunch has imported plan already
+
 _PR_SET_PDEATHSIG = 1
 
 
-def _gone(pid: int) -> bool:
-    """Ended: no process, or a zombie waiting to be reaped."""
+def _starter_died(parent: int) -> bool:
+    """The kernel that started this forkserver ended before the guard ran
+    (so this one was handed to a new parent): decided from the kernel's
+    recorded identity alone."""
+    ident = os.environ.get(FORKSERVER_STARTER_ENV, "")
     try:
-        with open(f"/proc/{pid}/status") as f:
-            state = next((line.split()[1] for line in f if line.startswith("State:")), "")
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
-def _orphaned(parent: int) -> bool:
-    """The kernel ended before this ran and the forkserver was handed to
-    another parent. Jupyter starts a kernel as the leader of its own process
-    group, which the forkserver is in: a group whose leader is gone, while
-    the parent is someone else, is that case."""
-    leader = os.getpgid(0)
-    return parent != leader and leader != os.getpid() and _gone(leader)
+        return int(ident.split(":")[0]) != parent and not procid.same_process(ident)
+    except ValueError:
+        return False  # not started by nblaunch's kernel: the parent checks still hold
 
 
 def _wait_for_exit(pid: int) -> None:
@@ -50,10 +52,10 @@ def _wait_for_exit(pid: int) -> None:
         fd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has ended
     except (AttributeError, OSError):
         fd = -1
-    if fd >= 0 and not _gone(pid):
+    if fd >= 0 and not procid.gone(pid):
         select.select([fd], [], [])
         return
-    while not _gone(pid):
+    while not procid.gone(pid):
         time.sleep(0.1)
 
 
@@ -61,9 +63,11 @@ def _guard() -> None:
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     kernel, forkserver = os.getppid(), os.getpid()
-    if _gone(kernel) or _orphaned(kernel):
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Armed now: a parent that dies from here on kills us. One that died
+    # before shows as a new parent (or, for a moment, as a zombie).
+    if os.getppid() != kernel or procid.gone(kernel) or _starter_died(kernel):
         os._exit(1)
     if os.fork() == 0:  # the watcher
         try:

@@ -9,11 +9,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import rank_env
+from . import procid, rank_env
 from .config import LaunchConfig
 
 __all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads"]
 
+#: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
+#: :mod:`nblaunch.forkserver_guard` to know its kernel by.
+FORKSERVER_STARTER_ENV = "NBLAUNCH_FORKSERVER_STARTER"
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
 
@@ -113,7 +116,10 @@ def _preload_forkserver() -> None:
     """Have the forkserver (started once per kernel, from a fresh interpreter
     that never touched CUDA or OpenMP) import torch, so the second and later
     launches do not pay ``import torch`` per rank. Only takes effect if this
-    kernel's forkserver is not running yet."""
+    kernel's forkserver is not running yet. The forkserver's guard learns
+    which process is its kernel from :data:`FORKSERVER_STARTER_ENV`."""
+    if sys.platform.startswith("linux"):
+        os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["nblaunch.forkserver_guard", "nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
 

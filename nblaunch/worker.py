@@ -121,6 +121,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     made_group = False
     try:
         os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
+        _leads_group.set()
         spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE and calls
         _current = spec
         os.environ.update(_torchrun_env(spec))
@@ -361,6 +362,8 @@ def _group_seq() -> int:
 
 
 _janitor_pipe: Optional[int] = None
+# Set once this rank leads its own process group, the one its janitor ends.
+_leads_group = threading.Event()
 
 
 def _has_children() -> bool:
@@ -440,7 +443,7 @@ def _watch_parent(kernel_pid: int, parent: int) -> None:
             # The janitor costs a fresh interpreter per rank (40 ms of a
             # 2-rank launch on 2 CPUs, measured), so it starts only once
             # the rank has a child to look after.
-            if _janitor_pipe is None and os.getpgid(0) == os.getpid() and _has_children():
+            if _janitor_pipe is None and _leads_group.is_set() and _has_children():
                 _start_janitor()
         os.kill(os.getpid(), signal.SIGKILL)
 
