@@ -213,6 +213,7 @@ def main(argv: Optional[list] = None) -> int:
     # (a fresh process: no OpenMP pool, no CUDA), while the other nodes start.
     import cloudpickle  # noqa: F401
     import torch
+    import torch.distributed
 
     from . import worker  # noqa: F401
 
@@ -221,7 +222,7 @@ def main(argv: Optional[list] = None) -> int:
     conn.send({"node": int(os.environ.get(opts.node_var, "0") or 0),
                "name": os.environ.get(opts.name_var) or socket.gethostname(),
                "addr": route_address(host.strip("[]"), int(port)), "pid": os.getpid(),
-               "gpus": torch.cuda.device_count()})
+               "gpus": torch.cuda.device_count(), "nccl": torch.distributed.is_nccl_available()})
     try:
         return agent.run()
     finally:

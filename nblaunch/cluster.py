@@ -15,6 +15,7 @@ pool.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 import signal
@@ -25,14 +26,16 @@ from typing import Any, Callable, Optional
 
 from . import link
 from .channel import RELEASE, Started
+from .engines.base import Engine
 from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
 from .modules import local_sources
 from .payload import CloudJob, PackedJob
+from .plan import pg_timeout_for, resolve_backend
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
 
-__all__ = ["AgentPool", "engine_for"]
+__all__ = ["AgentEngine", "AgentPool", "AgentStep"]
 
 AGENTS_START_S = 300.0  # srun to every agent connected (they import torch first)
 REPLY_WAIT_S = 10.0  # an agent's answer (stacks take up to ~1 s)
@@ -64,8 +67,6 @@ class AgentPool(RankPool):
     ``job`` is a launch's one call (a ``payload.CloudJob``; None for live
     ranks, whose calls come by ``send``)."""
 
-    spans_nodes = True
-
     def __init__(self, config, engine, job: Any = None, attempt: int = 0, live: bool = False, pg_timeout: float = 1800.0):
         # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
         if isinstance(job, CloudJob):
@@ -89,10 +90,6 @@ class AgentPool(RankPool):
 
     # -- starting ----------------------------------------------------------------
 
-    def prepare(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
-        """Before ``start``: the engine has its nodes (an allocation asked for may be pending)."""
-        self._engine.allocate(notice, tick)
-
     def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
         engine = self._engine
         # The kernel's address on the nodes' network (master_addr: the user's choice of it).
@@ -103,7 +100,7 @@ class AgentPool(RankPool):
         self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
                                          str(self.log_dir / "agents.log"))
         hellos = self._gather(tick)
-        backend = self.backend = self._backend([h["gpus"] for h in hellos])
+        backend = self.backend = self._backend(hellos)
         self._store, port = host_store(lhost, self.size, self._pg_timeout)
         for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
             rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
@@ -164,16 +161,17 @@ class AgentPool(RankPool):
         text = self._step.output() if self._step is not None else ""
         return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
 
-    def _backend(self, gpus: list[int]) -> Optional[str]:
+    def _backend(self, hellos: list[dict]) -> Optional[str]:
+        """The process group's backend, by the rule a single machine uses, for
+        the node with the fewest GPUs."""
         c = self._config
         if not c.init_process_group:
             return None
-        if c.backend != "auto":
-            if c.backend == "nccl" and min(gpus) < self.per_node:
-                raise LaunchError(f"backend='nccl' needs one GPU per rank: {self.per_node} ranks per node, "
-                                  f"and a node has {min(gpus)} GPU(s)")
-            return c.backend
-        return "nccl" if min(gpus) >= self.per_node else "gloo"
+        try:
+            return resolve_backend(c.backend, self.per_node, min(h["gpus"] for h in hellos),
+                                   all(h.get("nccl", False) for h in hellos), where="on the node with the fewest")
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
 
     # -- reading -----------------------------------------------------------------
 
@@ -331,6 +329,9 @@ class AgentPool(RankPool):
     def running_pids(self) -> dict[int, int]:
         return {}  # on other machines: their agents sample them (usage)
 
+    def gpu_devices(self) -> dict:
+        return {}  # each node's agent samples its own
+
     def usage(self, sampler) -> Optional[dict]:
         usage, self._usage = self._usage, {}
         return usage or None
@@ -397,14 +398,74 @@ def _renumber(item: Any, rank: int) -> Any:
     return dataclasses.replace(item, rank=rank)
 
 
-def engine_for(config):
-    """The cluster engine of ``config.cluster`` (a ``Slurm`` or a ``Ray``):
-    it finds its nodes now, so a missing allocation or cluster is a clear
-    error before any process starts."""
-    from .ray_engine import Ray, RayEngine
-    from .slurm import SlurmEngine
+class AgentStep(abc.ABC):
+    """An engine's handle on the agents it started (SLURM's ``srun`` step,
+    Ray's actors), as the pool sees it. ``what`` names it in errors."""
 
-    nodes = config.num_nodes if config.num_nodes > 1 else None
-    if isinstance(config.cluster, Ray):
-        return RayEngine(config.cluster, nodes, config.num_processes)
-    return SlurmEngine(config.cluster, nodes)
+    what: str
+
+    @abc.abstractmethod
+    def poll(self) -> Optional[int]:
+        """An exit code once the agents (or any of them) ended; None while they run."""
+
+    @abc.abstractmethod
+    def output(self) -> str:
+        """What the agents printed (their last 20,000 characters)."""
+
+    @abc.abstractmethod
+    def news(self) -> str:
+        """Why an agent vanished without a word, as far as the engine knows ("" if not)."""
+
+    @abc.abstractmethod
+    def end(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the agents to leave, then end them."""
+
+
+class AgentEngine(Engine):
+    """Ranks on the nodes of a cluster, through one agent per node
+    (:mod:`nblaunch.agent`) that starts its node's ranks and relays for
+    them. An engine of this kind says how many nodes it has
+    (``num_nodes``), where the kernel reaches them (``reach``), gets them
+    (``allocate``), starts the agents (``start_agents``) and gives back what
+    it asked for (``close``)."""
+
+    name: str  # the engine's name in the view: "slurm", "ray"
+    label: str  # the nodes' owner in messages: "SLURM job 12", "Ray cluster at ..."
+
+    def __init__(self, config, live: bool):
+        self.config, self.live = config, live
+        self.method = self.name
+        self.backend = config.backend if config.init_process_group else None  # "auto": the nodes' GPUs decide
+        self.pg_timeout = pg_timeout_for(None if live else config.timeout)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.num_processes * self.num_nodes
+
+    @property
+    @abc.abstractmethod
+    def num_nodes(self) -> int:
+        """How many nodes the ranks run on."""
+
+    @property
+    @abc.abstractmethod
+    def reach(self) -> str:
+        """An address of the nodes' network: the kernel listens on its route to it."""
+
+    @abc.abstractmethod
+    def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
+        """Have the nodes (an allocation asked for may be pending: say so with ``notice``)."""
+
+    @abc.abstractmethod
+    def start_agents(self, env: dict, log_path: str) -> AgentStep:
+        """One agent per node, with ``env`` added to its environment and its output to ``log_path``."""
+
+    def new_pool(self, job: Any, attempt: int) -> "AgentPool":
+        return AgentPool(self.config, self, job=job, attempt=attempt, live=self.live, pg_timeout=self.pg_timeout)
+
+    def place(self, pool, view) -> None:
+        self.allocate(view.notice, view.tick)
+        pl = pool.start(tick=view.tick)
+        self.backend = pool.backend  # decided by the nodes' GPUs
+        view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)],
+                   backend=pool.backend or "no process group")

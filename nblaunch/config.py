@@ -57,6 +57,7 @@ class LaunchConfig:
         _check_ranks(self)
         check_call_options(self.timeout, self.display)
         _check_cluster(self)
+        _check_counts(self)
         endpoint = None if self.cluster is not None else _check_nodes(self)
         object.__setattr__(self, "endpoint", endpoint)
         object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
@@ -123,7 +124,7 @@ def _check_ranks(c: LaunchConfig) -> None:
 def _check_cluster(c: LaunchConfig) -> None:
     """``cluster``: made a :class:`~nblaunch.slurm.Slurm` or
     :class:`~nblaunch.ray_engine.Ray`; ``num_nodes`` then means how many of
-    its nodes (1, the default: all of them)."""
+    its nodes (1, the default: all of them; see :func:`_check_counts`)."""
     if c.cluster is None:
         return
     from .ray_engine import Ray
@@ -137,22 +138,26 @@ def _check_cluster(c: LaunchConfig) -> None:
     if c.rdzv_endpoint is not None or c.node_rank is not None:
         raise ValueError("cluster=... starts the ranks on every node itself; rdzv_endpoint and node_rank are for "
                          "a launch run by hand on each machine. Leave them out.")
+
+
+def _check_counts(c: LaunchConfig) -> None:
+    """``num_nodes`` (with a cluster: agreeing with its ``nodes``) and
+    ``max_restarts``, checked here only, with or without a cluster (after
+    :func:`_check_cluster`, before :func:`_check_nodes`)."""
     if isinstance(c.num_nodes, bool) or not isinstance(c.num_nodes, int) or c.num_nodes < 1:
         raise ValueError(f"num_nodes must be a positive int, got {c.num_nodes!r}")
     if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
         raise ValueError(f"max_restarts must be an int >= 0, got {c.max_restarts!r}")
-    if c.num_nodes > 1 and c.cluster.nodes is not None and c.cluster.nodes != c.num_nodes:
+    if (c.cluster is not None and c.num_nodes > 1 and c.cluster.nodes is not None
+            and c.cluster.nodes != c.num_nodes):
         raise ValueError(f"num_nodes={c.num_nodes} and {type(c.cluster).__name__}(nodes={c.cluster.nodes}) "
                          "disagree; give one of them")
 
 
 def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
-    """The multi-node settings; returns the endpoint as ``(host, port)``."""
+    """The multi-node settings without a cluster (``num_nodes`` is checked
+    already); returns the endpoint as ``(host, port)``."""
     num_nodes, node_rank = c.num_nodes, c.node_rank
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
-    if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {c.max_restarts!r}")
     if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
                                   or not 0 <= node_rank < num_nodes):
         raise ValueError(f"node_rank must be an int in [0, num_nodes={num_nodes}), got {node_rank!r}")

@@ -168,14 +168,12 @@ def death(rank: int, node: Optional[int], time: float, code: int, stopped: bool,
     return RankFailure(rank, "exit", time, exitcode=code, last_lines=last_lines, node=node)
 
 
-def node_ended(first_rank: int, node: int, time: float, what: str) -> RankFailure:
-    """Another node's launcher ended its ranks (interrupted, timed out)."""
-    return RankFailure(first_rank, "node", time, message=what, node=node)
-
-
 def node_lost(rank: int, node: Optional[int], time: float, what: str) -> RankFailure:
-    """A cluster launch's rank whose machine left (its agent's connection
-    closed, or the engine ended its node): ``what`` names the machine and why."""
+    """A failure of kind ``"node"``: the ranks of a node ended for a reason
+    outside them, named by ``what``. A cluster launch's rank whose machine
+    left (its agent's connection closed, or the engine ended its node), or
+    a node's launcher that ended its ranks (interrupted, timed out; ``rank``
+    is then the node's first rank, told to the other nodes)."""
     return RankFailure(rank, "node", time, message=what, node=node)
 
 

@@ -31,9 +31,8 @@ import sys
 import time
 
 from . import procid
+from .linux import PR_SET_PDEATHSIG as _PR_SET_PDEATHSIG
 from .plan import FORKSERVER_STARTER_ENV  # importing nblaunch has imported plan already
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _starter_died(parent: int) -> bool:

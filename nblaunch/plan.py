@@ -12,7 +12,7 @@ from typing import Any, Optional
 from . import procid, rank_env
 from .config import LaunchConfig
 
-__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads"]
+__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
 #: :mod:`nblaunch.forkserver_guard` to know its kernel by.
@@ -47,11 +47,6 @@ def pg_timeout_for(timeout: Optional[float]) -> float:
 def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
     """Start method, backend, threads and the ranks' common spec."""
     n = config.num_processes
-    if config.cluster is not None:
-        # Each node's agent plans its own ranks (agent.py); the kernel starts none.
-        backend = config.backend if config.init_process_group else None  # "auto": the nodes' GPUs decide
-        return RankPlan(type(config.cluster).__name__.lower(), None, backend, None,
-                        pg_timeout_for(None if live else config.timeout), {})
     method, reason = choose_start_method(config.start_method)
     backend = _resolve_backend(config.backend, n) if config.init_process_group else None
     threads = config.threads_per_rank or default_threads(n)
@@ -132,12 +127,20 @@ def _cuda_initialized() -> bool:
 def _resolve_backend(backend: str, num_processes: int) -> str:
     import torch
 
-    gpus = torch.cuda.device_count()  # NVML count: does not initialise CUDA
+    # NVML's count: does not initialise CUDA.
+    return resolve_backend(backend, num_processes, torch.cuda.device_count(), torch.distributed.is_nccl_available())
+
+
+def resolve_backend(backend: str, ranks: int, gpus: int, nccl_available: bool, where: str = "visible") -> str:
+    """The one backend rule, for a machine (or a cluster's node with the
+    fewest GPUs) that runs ``ranks`` ranks and has ``gpus`` GPUs: ``auto``
+    is NCCL when every rank has a GPU and NCCL is built in, else gloo; NCCL
+    asked for without a GPU per rank is refused."""
     if backend == "auto":
-        return "nccl" if gpus >= num_processes and torch.distributed.is_nccl_available() else "gloo"
-    if backend == "nccl" and gpus < num_processes:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: {num_processes} ranks, "
-                         f"{gpus} GPU(s) visible. Use backend='gloo' or 'auto'.")
+        return "nccl" if gpus >= ranks and nccl_available else "gloo"
+    if backend == "nccl" and gpus < ranks:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks} ranks, "
+                         f"{gpus} GPU(s) {where}. Use backend='gloo' or 'auto'.")
     return backend
 
 

@@ -39,6 +39,7 @@ from .channel import Event, Started, decode
 from .errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Nodes, Placement
+from .resources import gpu_devices
 from .stacks import collect, collectives, format_stacks
 from .worker import WorkerSpec, run_worker
 from .zygote import Zygote, usable as zygote_usable
@@ -115,15 +116,38 @@ class RankPool(abc.ABC):
     def poll(self, timeout: float) -> list[PoolEvent]:
         ...
 
-    spans_nodes = False  # True: one pool for the ranks of several machines (a cluster launch)
-
     def host(self, rank: int) -> Optional[str]:
         """The machine a rank runs on, where the pool spans several."""
         return None
 
+    def gpu_devices(self) -> dict:
+        """Local rank -> the GPU the kernel samples for it (none for ranks on other machines)."""
+        return gpu_devices(list(range(self.size)))
+
     def usage(self, sampler) -> Optional[dict]:
         """Each running rank's resources, at most every sampler interval (None between)."""
         return sampler.sample(self.running_pids())
+
+    @property
+    def pids(self) -> list:
+        """Each rank's pid, where its process is on this machine."""
+        return []
+
+    # -- the rest of the job: other nodes with kernels of their own. None,
+    # unless the engine joins some (engines/elastic.py).
+
+    def publish(self, failure) -> None:
+        """Tell the rest of the job that this generation failed here."""
+
+    def news(self):
+        """A failure published elsewhere in the job (a ``RankFailure``), or None."""
+        return None
+
+    def settle(self, failures: list, seen=None):
+        """A launch's ranks are done here (``failures``: theirs; ``seen``:
+        another node's already heard of): agree on the outcome with the rest
+        of the job; returns a failure from elsewhere, or None."""
+        return None
 
     @abc.abstractmethod
     def send(self, rank: int, message: Any) -> bool:

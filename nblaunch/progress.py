@@ -14,6 +14,12 @@ Bars the rank's code already has become rows too:
 in a rank) makes every console ``tqdm`` bar report like a ``progress``, and keeps its
 redraws out of the output: the row shows it live, and the bar's final line
 is printed once when it closes (as a terminal would keep it).
+
+The rank side (the worker and the integrations; not for user code):
+:func:`begin_rank` once the rank's event channel is up, :func:`torch_imported`,
+:func:`new_call` and :func:`finish_call` around each call; a bar of any kind
+becomes a row by ``reporter().add(row)`` with a :class:`Row`, and marks each
+step of its loop with :func:`count_step`.
 """
 from __future__ import annotations
 
@@ -22,23 +28,33 @@ import itertools
 import sys
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from .channel import GpuMemory, Metrics, Progress, Stopping
 
-__all__ = ["progress", "log"]
+__all__ = ["progress", "log"]  # what a user imports; the rank-side API is below, by name
 
 SEND_HZ = 10
 GPU_EVERY_S = 1.0
 MAX_PENDING_METRICS = 100_000
 
 
-class _Reporter:
+class Row(Protocol):
+    """What the reporter reads a row from: a ``progress`` bar, a mirrored
+    tqdm bar, a rich task."""
+
+    def state(self) -> Optional[tuple]:
+        """``(desc, n, total, closed, postfix, when)``, or None once the row
+        is gone (it ends where it was last sent); ``when`` is the time ``n``
+        was true (None: now). Called from the reporter's thread, while the
+        rank's code may be updating the row."""
+
+
+class Reporter:
     """One per rank process: holds the latest state, sent by a daemon thread.
 
-    ``bars`` maps a key to anything with ``_state()`` returning ``(desc, n,
-    total, closed, postfix, when)``, or None once it is gone; ``when`` is
-    the time ``n`` was true (None: now)."""
+    ``bars`` maps a key to a :class:`Row`; a row that says it is closed is
+    sent once more and dropped."""
 
     def __init__(self, sender, rank: int):
         self._sender = sender
@@ -52,8 +68,13 @@ class _Reporter:
         self._wake = threading.Event()
         threading.Thread(target=self._loop, name="nblaunch-progress", daemon=True).start()
 
-    def add(self, bar) -> None:
+    def add(self, bar: Row) -> None:
+        """Make ``bar`` one of this rank's rows."""
         self.bars[next(self._keys)] = bar
+
+    def wake(self) -> None:
+        """Send now rather than at the next tick (a row has closed)."""
+        self._wake.set()
 
     def _loop(self) -> None:
         next_gpu = time.monotonic() + GPU_EVERY_S
@@ -93,8 +114,10 @@ class _Reporter:
             self._sender.send(GpuMemory(self._rank, *reading, self.call))
 
     def flush(self) -> None:
+        """Send every row that changed since it was last sent, and the
+        metrics logged since; forget the rows that closed."""
         for key, bar in list(self.bars.items()):
-            state = bar._state()
+            state = bar.state()
             last = self._sent.get(key)
             if state is None:  # collected without close(): it ended where it was
                 state = (*last[:3], True, *last[4:]) if last else None
@@ -113,7 +136,7 @@ class _Reporter:
             self._sender.send(Metrics(self._rank, tuple(points), self.call))
 
 
-_reporter: Optional[_Reporter] = None
+_reporter: Optional[Reporter] = None
 _nvml_present: Optional[bool] = None
 # Set by the worker once the main thread has imported torch: before that,
 # sys.modules may hold a half-initialised torch (a spawned rank imports it
@@ -143,14 +166,22 @@ def _torch_gpu_memory() -> Optional[tuple[int, int, int]]:
     return device, int(torch.cuda.memory_reserved(device)), int(total)
 
 
-def _start(sender, rank: int) -> None:
-    """Called by the worker once the event channel is up."""
+def begin_rank(sender, rank: int) -> None:
+    """Called by the worker once the event channel is up: from now on this
+    process is rank ``rank`` (its local rank), whose rows and metrics go to
+    ``sender``."""
     global _reporter
-    _reporter = _Reporter(sender, rank)
+    _reporter = Reporter(sender, rank)
 
 
-def _torch_imported() -> None:
-    """Called by the worker once torch is imported in the main thread."""
+def reporter() -> Optional[Reporter]:
+    """This rank's reporter; None outside a launch (before :func:`begin_rank`)."""
+    return _reporter
+
+
+def torch_imported() -> None:
+    """Called by the worker once torch is imported in the main thread (the
+    reporter reads GPU memory from torch only from then on)."""
     global _torch_ready
     _torch_ready = True
 
@@ -163,7 +194,7 @@ _agreement = None
 _stop_at: Optional[int] = None
 
 
-def _count_step() -> None:
+def count_step() -> None:
     """One more step of a loop (called between two items, where the loop
     body has ended and no collective is pending): where a live call's
     interrupt lands once the ranks have agreed on this step."""
@@ -195,7 +226,7 @@ def stop_at_a_step(agreement) -> bool:
     return True
 
 
-def _new_call(call: int) -> None:
+def new_call(call: int) -> None:
     """A live rank starts call ``call``: bars and metrics of the last one
     (an interrupted call may leave bars open) are dropped, not carried over."""
     global _steps, _stop_at, _agreement
@@ -208,8 +239,9 @@ def _new_call(call: int) -> None:
         _reporter.call = call
 
 
-def _finish() -> None:
-    """Called by the worker before it reports its result: send what is left."""
+def finish_call() -> None:
+    """Called by the worker before it reports a call's result (or failure):
+    send what is left."""
     if _reporter is not None:
         _reporter.flush()
 
@@ -234,7 +266,8 @@ class progress:
         if _reporter is not None:
             _reporter.add(self)
 
-    def _state(self) -> tuple:
+    def state(self) -> tuple:
+        """This bar as a :class:`Row`."""
         return self.desc, self.n, self.total, self.closed, "", self._closed_at
 
     def __iter__(self):
@@ -245,7 +278,7 @@ class progress:
             for item in self.iterable:
                 yield item
                 self.n += 1
-                _count_step()
+                count_step()
         else:
             for item in self.iterable:
                 yield item
@@ -255,7 +288,7 @@ class progress:
     def update(self, k: int = 1) -> None:
         self.n += k
         if _reporter is not None:
-            _count_step()
+            count_step()
         else:
             now = time.monotonic()
             if now - self._last_draw >= 0.1:
@@ -268,7 +301,7 @@ class progress:
         self._closed_at = time.time()
         self.closed = True
         if _reporter is not None:
-            _reporter._wake.set()
+            _reporter.wake()
         else:
             self._draw(final=True)
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
+from .cluster import AgentEngine, AgentStep
 from .errors import LaunchError
 
 __all__ = ["Ray", "RayEngine"]
@@ -86,12 +87,15 @@ def _check_answers(address: str) -> None:
                           "the address of its head node") from None
 
 
-class RayEngine:
+class RayEngine(AgentEngine):
     """The alive nodes of the connected Ray cluster, and one agent actor on each."""
 
     name = "ray"
 
-    def __init__(self, spec: Ray, num_nodes: Optional[int], num_processes: int):
+    def __init__(self, config, live: bool = False):
+        super().__init__(config, live)
+        spec: Ray = config.cluster
+        num_nodes, num_processes = (config.num_nodes if config.num_nodes > 1 else None), config.num_processes
         ray = _ray()
         self.spec = spec
         if not ray.is_initialized():
@@ -201,7 +205,7 @@ class _AgentActor:
             self._proc.kill()
 
 
-class _Actors:
+class _Actors(AgentStep):
     """The agent actors, as the rank pool sees them."""
 
     what = "Ray actors"

@@ -6,7 +6,7 @@
     ranks.pull("model", rank=0)
     ranks.close()
 
-A :class:`Session` owns the config, the plan and each generation of ranks (a
+A :class:`Session` owns the config, the engine and each generation of ranks (a
 :class:`~nblaunch.pool.RankPool`); every call on it is one
 :class:`~nblaunch.watch.CallWatch`. ``notebook_launcher`` is a session whose
 ranks serve one call; :class:`Ranks` is a session whose ranks serve calls
@@ -33,12 +33,10 @@ from . import namespace, worker
 from .channel import CLOSE, Call
 from .config import LaunchConfig, check_call, check_call_options
 from .view import SHOW_AFTER_S, TextDisplay, make_display
+from .engines import Engine, engine_for
 from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
-from .nodes import NodeGroup, SingleNode
-from .payload import CloudJob, check_sendable
-from .plan import RankPlan, plan_ranks
-from .cluster import AgentPool, engine_for
-from .pool import LocalPool, RankPool
+from .payload import check_sendable
+from .pool import RankPool
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -76,47 +74,36 @@ class LaunchResults(list):
 class Session:
     """The ranks of one launch or one live session, generation after generation.
 
-    It owns the config, the plan (decided once), the nodes, the current
-    :class:`~nblaunch.pool.RankPool` and the restarts. A launch
-    (:meth:`launch`) is a session whose ranks serve one call and end; with
-    ``max_restarts`` a failed generation is replaced. Live ranks
-    (:meth:`open`, :meth:`call`, :meth:`close`) serve calls until closed,
-    and a generation that can no longer be trusted is replaced before the
-    next call. Each call is one :class:`~nblaunch.watch.CallWatch`."""
+    It owns the config, the engine (chosen once: it decides how ranks are
+    made and where), the current :class:`~nblaunch.pool.RankPool` and the
+    restarts. A launch (:meth:`launch`) is a session whose ranks serve one
+    call and end; with ``max_restarts`` a failed generation is replaced.
+    Live ranks (:meth:`open`, :meth:`call`, :meth:`close`) serve calls until
+    closed, and a generation that can no longer be trusted is replaced
+    before the next call. Each call is one :class:`~nblaunch.watch.CallWatch`."""
 
     def __init__(self, config: LaunchConfig, live: bool):
         self.config = config
         self.live = live
-        self.plan: RankPlan = plan_ranks(config, live=live)
-        # A cluster engine finds its nodes now: no allocation is a clear error before anything starts.
-        self.engine = engine_for(config) if config.cluster is not None else None
-        self.world_size = config.num_processes * (self.engine.num_nodes if self.engine else 1)
+        self.engine: Engine = engine_for(config, live=live)
+        self.world_size = self.engine.world_size
         self.pool: Optional[RankPool] = None
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
-        self._nodes: Any = None  # live ranks: the current generation's
         self._messages = 0  # calls sent to live ranks (run, pull, push): their events' call number
 
     # -- a launch ----------------------------------------------------------------------
 
     def launch(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
         """``fn`` on fresh ranks; their results, or the error of the last attempt."""
-        c, plan = self.config, self.plan
-        if plan.forked and self.engine is None:
-            job: Any = (fn, tuple(args), kwargs)  # inherited as it is: nothing is pickled
-        else:
-            check_sendable(fn, args, kwargs)
-            job = CloudJob(fn, args, kwargs)
-        nodes: Any = (SingleNode(c.addr, c.num_processes, plan.pg_timeout) if not c.multi_node else
-                      NodeGroup(num_nodes=c.num_nodes, node_rank=c.node_rank, endpoint=c.rdzv_endpoint,
-                                backend=c.rdzv_backend, run_id=c.rdzv_id, rdzv_timeout_s=float(c.rdzv_timeout),
-                                local_world_size=c.num_processes, addr=c.addr, store_timeout_s=plan.pg_timeout))
+        c, engine = self.config, self.engine
         global_method = multiprocessing.get_start_method(allow_none=True)
-        notices = [plan.notice] if plan.notice else []
+        notices = [engine.notice] if engine.notice else []
         try:
+            job = engine.job(fn, tuple(args), kwargs)
             for attempt in range(c.max_restarts + 1):
                 try:
-                    return self._attempt(job, nodes, attempt, notices)
+                    return self._attempt(job, attempt, notices)
                 except WorkerError as exc:
                     # Every node sees the same failures, so every node restarts;
                     # a node whose launcher was stopped (kind "node") will not.
@@ -126,27 +113,25 @@ class Session:
                     notices = [f"restart {attempt + 1} of {c.max_restarts} after: {exc.root.summary()}"]
             raise AssertionError("unreachable")
         finally:
-            nodes.close()
-            if self.engine is not None:
-                self.engine.close()
+            engine.close()
             if global_method is None:
                 # Starting spawn/forkserver processes makes multiprocessing fix
                 # its global default as a side effect; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
 
-    def _attempt(self, job: Any, nodes, attempt: int, notices: list[str]) -> LaunchResults:
+    def _attempt(self, job: Any, attempt: int, notices: list[str]) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
-        c = self.config
-        pool = self._new_pool(nodes, job, attempt)
+        c, engine = self.config, self.engine
+        pool = engine.new_pool(job, attempt)
         view, outcome = None, "failed"
         try:  # from here on, an interrupt anywhere leaves nothing open
             view = make_display(c.display, show_after=SHOW_AFTER_S)
-            view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir))
+            view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
             watch = CallWatch(pool, view, 0, keep_ranks=False, timeout=c.timeout, stall_warning=c.stall_warning,
-                              nodes=nodes if self.engine is None else None, job_size=getattr(job, "size", 0))
-            results = watch.run(lambda: _place(pool, view, nodes.num_nodes))
+                              job_size=getattr(job, "size", 0))
+            results = watch.run(lambda: engine.place(pool, view))
             outcome = "finished"
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
         except KeyboardInterrupt:
@@ -167,24 +152,21 @@ class Session:
     def open(self) -> None:
         """Start a generation of live ranks and wait until each has made its
         process group (its call 0). Raises ``WorkerError`` if one cannot."""
-        c = self.config
-        nodes = SingleNode(c.addr, c.num_processes, self.plan.pg_timeout)
-        pool = self._new_pool(nodes, None, self.restarts)
+        engine = self.engine
+        pool = engine.new_pool(None, self.restarts)
         view = TextDisplay(show_status=False)  # set-up prints (warnings) only
-        view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir))
-        for text in filter(None, [self.plan.notice, pool.notice]):
+        view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
+        for text in filter(None, [engine.notice, pool.notice]):
             view.notice(text)
         watch = CallWatch(pool, view, 0, keep_ranks=True)
         try:
-            watch.run(lambda: _place(pool, view, 1))
+            watch.run(lambda: engine.place(pool, view))
         except BaseException:
-            _shut(pool, nodes)
+            _shut(pool)
             raise
         finally:
             view.flush()
-        self.pool, self._nodes = pool, nodes
-        if self.engine is not None:
-            self.plan.backend = pool.backend  # decided by the nodes' GPUs
+        self.pool = pool
 
     def call(self, job: bytes, timeout: Optional[float], display: str, counted: bool) -> "tuple[list, CallWatch]":
         """One call on the live ranks; ``counted``: a ``run`` (the view's
@@ -197,7 +179,7 @@ class Session:
         number = self._messages
         view = make_display(display, show_after=SHOW_AFTER_S)
         name = f"call {self.runs + counted}"
-        view.begin(self.world_size, self.plan.method, self.plan.backend or "", str(pool.log_dir),
+        view.begin(self.world_size, self.engine.method, self.engine.backend or "", str(pool.log_dir),
                    call=self.runs + counted if counted else 0)
         watch = CallWatch(pool, view, number, keep_ranks=True, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
@@ -233,13 +215,6 @@ class Session:
         return (f"The session restarted its ranks ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
 
-    def _new_pool(self, nodes, job: Any, attempt: int) -> RankPool:
-        """A generation of ranks: here, or on the engine's nodes."""
-        if self.engine is None:
-            return LocalPool(self.plan, nodes, job=job, attempt=attempt)
-        return AgentPool(self.config, self.engine, job=job, attempt=attempt, live=self.live,
-                         pg_timeout=self.plan.pg_timeout)
-
     def restart(self) -> None:
         """Replace the live ranks with a new generation (their state is lost)."""
         self.close()
@@ -250,39 +225,23 @@ class Session:
         """End the live ranks (safe twice, and from a finalizer)."""
         pool, self.pool = self.pool, None
         if pool is not None:
-            _shut(pool, self._nodes)
+            _shut(pool)
 
     def end(self) -> None:
         """Close the ranks for good, and give back what the engine holds (an allocation it asked for)."""
         try:
             self.close()
         finally:
-            if self.engine is not None:
-                self.engine.close()
+            self.engine.close()
 
 
-def _place(pool: RankPool, view, num_nodes: int) -> None:
-    """Start the pool's ranks and show where they sit in the job."""
-    if pool.spans_nodes:
-        pool.prepare(view.notice, view.tick)
-    elif num_nodes > 1:
-        view.notice(f"waiting for {num_nodes} nodes to join")
-    pl = pool.start(tick=view.tick)
-    if pool.spans_nodes:
-        view.place(0, pl.world_size, None, pl.num_nodes, hosts=[pool.host(r) for r in range(pool.size)],
-                   backend=pool.backend or "no process group")  # decided by the nodes' GPUs
-    else:
-        view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
-
-
-def _shut(pool: RankPool, nodes) -> None:
+def _shut(pool: RankPool) -> None:
     """Ask every rank to leave, kill what has not within ``CLOSE_WAIT_S``, release everything."""
     for rank in range(pool.size):
         pool.send(rank, CLOSE)
     pool.wait(CLOSE_WAIT_S)
     pool.stop(STOP_GRACE_S)
     pool.close()
-    nodes.close()
 
 
 class _Generation:
@@ -371,7 +330,7 @@ class Ranks:
     @property
     def pids(self) -> list[int]:
         pool = self._session.pool
-        return list(getattr(pool, "pids", [])) if pool is not None else []
+        return list(pool.pids) if pool is not None else []
 
     @property
     def status(self) -> str:
@@ -381,8 +340,8 @@ class Ranks:
         if self._closed or pool is None:
             return "closed"
         dead = [pool.global_rank(r) for r in range(pool.size) if not pool.alive(r)]
-        plan = session.plan
-        what = f"{self.num_processes} ranks ({plan.method}, {plan.backend or 'no process group'})"
+        engine = session.engine
+        what = f"{self.num_processes} ranks ({engine.method}, {engine.backend or 'no process group'})"
         if dead:
             return (f"down: {ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
                     f"(their state is lost) | {what}")

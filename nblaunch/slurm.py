@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from .cluster import AgentEngine, AgentStep
 from .errors import LaunchError
 
 __all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
@@ -88,12 +89,15 @@ def _job_fields(job: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
 
-class SlurmEngine:
+class SlurmEngine(AgentEngine):
     """The nodes of one allocation, and the ``srun`` step of agents on them."""
 
     name = "slurm"
 
-    def __init__(self, spec: Slurm, num_nodes: Optional[int]):
+    def __init__(self, config, live: bool = False):
+        super().__init__(config, live)
+        spec: Slurm = config.cluster
+        num_nodes = config.num_nodes if config.num_nodes > 1 else None
         self.spec = spec
         _slurm_command("srun")
         self._job = spec.job or os.environ.get("SLURM_JOB_ID")
@@ -237,7 +241,7 @@ class SlurmEngine:
                 pass
 
 
-class _Step:
+class _Step(AgentStep):
     """The agents' ``srun`` step, as the rank pool sees it."""
 
     what = "srun step"

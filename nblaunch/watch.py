@@ -29,7 +29,7 @@ from .channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Resu
 from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures, left_early,
                      render_interrupt)
 from .pool import Exited, Lines, Lost, Message, RankPool, Rewriting
-from .resources import Sampler, gpu_devices
+from .resources import Sampler
 from .worker import max_result_bytes
 
 __all__ = ["CallWatch", "Stalls"]
@@ -41,7 +41,6 @@ STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only d
 # exception report. Stopping the ranks at once would make the cause look
 # like one of the stopped; the verdict waits this long for it.
 CONSEQUENCE_HOLD_S = 0.2
-REMOTE_GRACE_S = 2.0  # how long a node that only saw a peer vanish waits for the cause
 # Some ranks returned while others run on: after this long (then at growing
 # intervals) the others' stacks are read, and if every one of them waits in
 # a collective, the first rank that left is the failure (it never joins).
@@ -111,18 +110,19 @@ class CallWatch:
 
     ``begin`` starts the call (starts a launch's pool, or sends a live call
     to each rank); it runs inside the watch, so an interrupt or a timeout
-    during it is handled as any other. ``nodes`` (a launch across machines)
-    carries failures between nodes."""
+    during it is handled as any other. A launch's failures reach the rest
+    of the job, and theirs this node, through the pool (``publish``,
+    ``news``, ``settle``): which engine, if any, has other nodes is the
+    pool's business."""
 
     def __init__(self, pool: RankPool, view, call: int, *, keep_ranks: bool, timeout: Optional[float] = None,
-                 stall_warning: Optional[float] = None, nodes=None, job_size: int = 0, name: str = ""):
+                 stall_warning: Optional[float] = None, job_size: int = 0, name: str = ""):
         self._pool = pool
         self._view = view
         self.call = call
         self.name = name or f"call {call}"  # what the user calls it (live ranks count only their runs)
         self._keep = keep_ranks
         self._timeout = timeout
-        self._nodes = nodes
         self._job_size = job_size
         self._parts = [_Part() for _ in range(pool.size)]
         self._stalls = Stalls(stall_warning)
@@ -146,7 +146,7 @@ class CallWatch:
         t0 = time.monotonic()
         try:
             begin()
-            self._sampler = Sampler({} if self._pool.spans_nodes else gpu_devices(list(range(self._pool.size))))
+            self._sampler = Sampler(self._pool.gpu_devices())
             if self._job_size > LARGE_JOB_BYTES:
                 self._view.notice(
                     f"the job (fn, its arguments and what it captures) is {self._job_size / 2**20:.1f} MB per "
@@ -307,8 +307,8 @@ class CallWatch:
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + CONSEQUENCE_HOLD_S
             return
-        if self._nodes is not None:
-            self._nodes.publish(failure)  # the other nodes stop within a poll
+        if not self._keep:
+            self._pool.publish(failure)  # the other nodes stop within a poll
         self._end_elsewhere()
 
     # -- ending the call on the other ranks -----------------------------------------
@@ -358,8 +358,8 @@ class CallWatch:
         if self._keep:
             self.broken = self.broken or what
         pl = self._pool.placement
-        if self._nodes is not None and pl is not None and pl.num_nodes > 1:
-            self._nodes.publish(errors.node_ended(pl.first_rank, pl.node_rank, time.time(), what))
+        if not self._keep and pl is not None:
+            self._pool.publish(errors.node_lost(pl.first_rank, pl.node_rank, time.time(), what))
 
     def _break(self, reason: str) -> None:
         """Live ranks that cannot be trusted: stop them all (the session restarts them)."""
@@ -481,33 +481,13 @@ class CallWatch:
                                          {f"rank {labels[r]}": where[labels[r]] for r in waiting}))
 
     def _check_other_nodes(self) -> None:
-        if self._remote is not None or self._nodes is None:
+        if self._remote is not None or self._keep:
             return
-        remote = self._nodes.poll()
+        remote = self._pool.news()
         if remote is not None:
             self._remote = remote
             self._view.notice(f"{remote.summary()}; stopping this node's ranks")
             self._begin_stop()
-
-    def _settle_with_other_nodes(self, failures: list[RankFailure]) -> Optional[RankFailure]:
-        """This node's ranks are done. On success, the exit barrier (it returns
-        another node's failure if one came). On failure, when this node only
-        saw a consequence (a peer vanished), give the node where it started a
-        moment to say so, then publish ours."""
-        if self._nodes is None or self._pool.placement is None:
-            return None
-        if not failures:
-            return self._nodes.finish(succeeded=True)
-        if self._pool.placement.num_nodes > 1 and self._remote is None:
-            deadline = time.monotonic() + REMOTE_GRACE_S
-            while self._remote is None and time.monotonic() < deadline:
-                self._remote = self._nodes.poll(force=True)
-                if self._remote is None:
-                    time.sleep(TICK_S)
-            if self._remote is None:
-                self._nodes.publish(errors.root_cause(failures))
-        self._nodes.finish(succeeded=False)
-        return self._remote
 
     # -- the verdict -----------------------------------------------------------------------
 
@@ -527,7 +507,7 @@ class CallWatch:
                 counts = ", ".join(f"rank {rank}: {n}" for rank, n in sorted(seqs.items()))
                 self._break(f"the ranks' process group is out of step (collectives issued: {counts})")
         else:
-            remote = self._settle_with_other_nodes(failures)
+            remote = self._pool.settle(failures, self._remote)
             if remote is not None:
                 failures.append(remote)
         if not failures:

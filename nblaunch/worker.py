@@ -8,7 +8,6 @@ can hang on threads or atexit handlers the kernel left in a forked child).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
 import faulthandler
@@ -25,33 +24,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from . import progress, rank_env, stacks
+from . import linux, progress, rank_env, stacks
 from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Phase, Result, Started
 from .frames import is_machinery
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 _PARENT_POLL_S = 0.2
 _LINGER_AFTER_FAILURE_S = 2.0
 
 _current: Optional["WorkerSpec"] = None
-
-
-def _libc_calls() -> tuple:
-    """``(prctl, fflush)`` from libc, looked up once, in the kernel, when
-    this module is imported: a forked rank then uses them as they are, while
-    making them anew ran ctypes' set-up in every rank (page copies of the
-    kernel's, ~0.2 MiB a rank). ``(None, None)`` where there is no libc."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return getattr(libc, "prctl", None), libc.fflush
-    except (OSError, AttributeError):
-        return None, None
-
-
-_prctl, _fflush = _libc_calls()
 
 
 @dataclass(frozen=True)
@@ -117,7 +99,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         stacks.register(spec.stack_file)
     sender = EventSender(events)
     local = spec.local_rank
-    progress._start(sender, local)
+    progress.begin_rank(sender, local)
     made_group = False
     try:
         os.setpgid(0, 0)  # own process group: the kernel's SIGINT is the kernel's to handle
@@ -184,7 +166,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
     ok = True
     for call in calls:
         interrupt.begin(call.id)
-        progress._new_call(call.id)
+        progress.new_call(call.id)
         _call_timeout(spec, call.timeout)
         phase = "load"
         try:
@@ -210,7 +192,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
             phase = "result"
             payload, shared = _dump_result(spec.rank, value)
             _check_size(spec.rank, value, len(payload) + shared)
-            progress._finish()
+            progress.finish_call()
             sender.send(Result(spec.local_rank, payload, shared, call=call.id, seq=_group_seq(), time=ended,
                                exited=exited))
             del value
@@ -222,7 +204,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
             if ns is not None:
                 ns.forget()
             try:
-                progress._finish()
+                progress.finish_call()
             except Exception:
                 pass
             _report(sender, spec.local_rank, phase, exc, call=call.id, seq=_group_seq())
@@ -422,11 +404,11 @@ def _default_stop_signals() -> None:
 def _watch_parent(kernel_pid: int, parent: int) -> None:
     """Die with the kernel: a kernel-side signal, plus a poll that catches a
     parent that died before the signal was armed (or a forkserver parent)."""
-    if sys.platform.startswith("linux") and _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if sys.platform.startswith("linux") and linux.prctl is not None:
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         # Orphans of what fn starts (a double fork, a daemon) become this
         # rank's children rather than init's, so the rank can end them.
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
 
     kernel_alive = _process_watch(kernel_pid)
 
@@ -616,7 +598,7 @@ def _setup_torch(spec: WorkerSpec, sender: EventSender) -> bool:
         sender.send(Phase(spec.local_rank, "importing torch"))
     import torch
 
-    progress._torch_imported()
+    progress.torch_imported()
     torch.set_num_threads(spec.threads)
     if torch.cuda.is_available() and spec.local_rank < torch.cuda.device_count():
         torch.cuda.set_device(spec.local_rank)
@@ -876,6 +858,6 @@ def _leave(code: int) -> None:
             pass
     # C stdio too: printf from a C extension sits in libc's buffer (fully
     # buffered on a pipe), which os._exit would throw away.
-    if _fflush is not None:
-        _fflush(None)
+    if linux.fflush is not None:
+        linux.fflush(None)
     os._exit(code)

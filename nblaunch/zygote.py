@@ -32,7 +32,7 @@ from multiprocessing import util
 from multiprocessing.connection import wait
 from typing import Optional
 
-from . import worker
+from . import linux, worker
 
 __all__ = ["Zygote", "ZygoteRank", "usable"]
 
@@ -42,7 +42,7 @@ _DEAD = -signal.SIGKILL  # the zygote died first: its ranks died with it (parent
 
 def usable(method: str) -> bool:
     """A zygote needs fork, and Linux's parent-death signal to tie its ranks to it."""
-    return method == "fork" and sys.platform.startswith("linux") and worker._prctl is not None
+    return method == "fork" and sys.platform.startswith("linux") and linux.prctl is not None
 
 
 class ZygoteRank:
@@ -150,7 +150,7 @@ class Zygote:
 def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list, others: list[list]) -> None:
     """The zygote's whole life (see module doc). ``parent``: the kernel (or
     the node agent) that started it."""
-    worker._prctl(worker._PR_SET_PDEATHSIG, signal.SIGKILL)
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
     for end in kernel_only:

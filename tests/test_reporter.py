@@ -32,7 +32,7 @@ class Bar:
     def __init__(self):
         self.n = 0
 
-    def _state(self):
+    def state(self):
         return "batch", self.n, 10, False, "", None
 
 
@@ -58,7 +58,7 @@ def test_rows_keep_moving_while_torch_is_half_imported(sender, monkeypatch):
     monkeypatch.setattr(progress, "GPU_EVERY_S", 0.0)
     monkeypatch.setattr(progress, "_torch_ready", False, raising=False)
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # as sys.modules holds it mid-import
-    reporter = progress._Reporter(sender, rank=0)
+    reporter = progress.Reporter(sender, rank=0)
     bar = Bar()
     reporter.add(bar)
     _progress_with(sender, 0)
@@ -71,13 +71,13 @@ def test_a_failing_read_does_not_stop_the_rows(sender, capfd):
     class Flaky(Bar):
         calls = 0
 
-        def _state(self):
+        def state(self):
             Flaky.calls += 1
             if Flaky.calls == 1:
                 raise RuntimeError("read while the bar was being rebuilt")
-            return super()._state()
+            return super().state()
 
-    reporter = progress._Reporter(sender, rank=0)
+    reporter = progress.Reporter(sender, rank=0)
     bar = Flaky()
     reporter.add(bar)
     bar.n = 4

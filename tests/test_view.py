@@ -72,15 +72,15 @@ def test_text_mode_writes_plain_text_to_a_file_and_shortens_giant_lines():
 
 
 def test_a_loss_over_several_decades_is_drawn_on_a_log_axis_with_values():
-    from nblaunch.view.html import _svg_chart
+    from nblaunch.view.html import svg_chart
 
     falling = {0: [(i, 5.0 * 10 ** (-i / 10)) for i in range(60)]}  # 5 down to ~6e-6
-    svg = _svg_chart("loss", falling)
+    svg = svg_chart("loss", falling)
     assert "data-scale='log'" in svg and "loss (log)" in svg
     assert all(f">{v}</text>" in svg for v in ("0.0001", "0.01", "1"))  # decade ticks
     ys = [float(p.split(",")[1]) for p in svg.split("points='")[1].split("'")[0].split()]
     assert max(ys) - min(ys) > 100  # the curve uses the plot's height, not one flat line
-    flat = _svg_chart("lr", {0: [(i, 0.1 + i * 0.001) for i in range(10)]})
+    flat = svg_chart("lr", {0: [(i, 0.1 + i * 0.001) for i in range(10)]})
     assert "data-scale='linear'" in flat and ">0.1</text>" in flat
 
 
@@ -98,7 +98,7 @@ def test_the_view_colours_read_on_light_and_dark_backgrounds():
         high, low = sorted((luminance(a), luminance(b)), reverse=True)
         return (high + 0.05) / (low + 0.05)
 
-    for colour in [*display._PALETTE, *display._STATE_COLOR.values()]:
+    for colour in [*display.PALETTE, *display.STATE_COLOR.values()]:
         for background in ("#ffffff", "#111111"):
             assert contrast(colour, background) >= 3, (colour, background, contrast(colour, background))
 
@@ -120,6 +120,6 @@ def test_chart_ticks_sit_at_round_values_on_both_axes():
         mantissa = float(f"{ticks[1] - ticks[0]:.1e}".split("e")[0])
         assert mantissa in (1.0, 2.0, 5.0), (lo, hi, ticks)
         assert len({tick_label(t) for t in ticks}) == len(ticks)  # no two labels alike
-    svg = __import__("nblaunch.view.html", fromlist=["_svg_chart"])._svg_chart(
+    svg = __import__("nblaunch.view.html", fromlist=["svg_chart"]).svg_chart(
         "loss", {0: [(i, 8.3 - i * 0.1) for i in range(82)]})
     assert ">2</text>" in svg and ">8</text>" in svg and ">8.3</text>" not in svg

@@ -6,7 +6,7 @@ import sys
 import weakref
 from typing import Optional
 
-# The module (whose _reporter is read at each call), not the package's
+# The module (whose reporter() is asked at each call), not the package's
 # ``nblaunch.progress``, which is the bar class.
 progress = importlib.import_module("..progress", __package__)
 
@@ -14,13 +14,13 @@ __all__ = ["mirror"]
 
 
 class _RichRow:
-    """One task of a ``rich.progress.Progress`` as the reporter sees it."""
+    """One task of a ``rich.progress.Progress`` as the reporter sees it (a ``progress.Row``)."""
 
     def __init__(self, owner, task_id):
         self._owner = weakref.ref(owner)
         self._task_id = task_id
 
-    def _state(self) -> Optional[tuple]:
+    def state(self) -> Optional[tuple]:
         owner = self._owner()
         task = owner._tasks.get(self._task_id) if owner is not None else None
         if task is None:
@@ -50,9 +50,10 @@ def mirror(progress_cls) -> None:
 
     def add_task_(self, *args, **kwargs):
         task_id = add_task(self, *args, **kwargs)
-        if (progress._reporter is not None and kwargs.get("visible", True) and not self.disable
+        reporter = progress.reporter()
+        if (reporter is not None and kwargs.get("visible", True) and not self.disable
                 and getattr(self.console, "file", None) in (sys.stdout, sys.stderr)):
-            progress._reporter.add(_RichRow(self, task_id))
+            reporter.add(_RichRow(self, task_id))
         return task_id
 
     def start_(self):
@@ -61,8 +62,9 @@ def mirror(progress_cls) -> None:
 
     def stop_(self):
         self.__dict__["_nblaunch_stopped"] = True
-        if progress._reporter is not None:
-            progress._reporter.flush()  # before the tasks it holds are gone
+        reporter = progress.reporter()
+        if reporter is not None:
+            reporter.flush()  # before the tasks it holds are gone
         return stop(self)
 
     progress_cls.add_task, progress_cls.start, progress_cls.stop = add_task_, start_, stop_

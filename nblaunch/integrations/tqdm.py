@@ -8,7 +8,7 @@ import time
 import weakref
 from typing import Optional
 
-# The module (whose _reporter is read at each call), not the package's
+# The module (whose reporter() is asked at each call), not the package's
 # ``nblaunch.progress``, which is the bar class.
 progress = importlib.import_module("..progress", __package__)
 
@@ -16,14 +16,14 @@ __all__ = ["mirror", "detach_notebook"]
 
 
 class _TqdmRow:
-    """A tqdm bar as the reporter sees it. Weak: a bar the code drops without
-    closing still ends (tqdm closes it when collected)."""
+    """A tqdm bar as the reporter sees it (a ``progress.Row``). Weak: a bar
+    the code drops without closing still ends (tqdm closes it when collected)."""
 
     def __init__(self, bar):
         self._bar = weakref.ref(bar)
         self.final: Optional[tuple] = None  # taken at close: the bar may be gone before the next send
 
-    def _state(self) -> Optional[tuple]:
+    def state(self) -> Optional[tuple]:
         bar = self._bar()
         if self.final is not None or bar is None:
             return self.final
@@ -54,17 +54,18 @@ def mirror(tqdm_cls) -> None:
             return
         for obj in iterate(self):
             yield obj
-            progress._count_step()  # a step boundary: where a live call's interrupt may land
+            progress.count_step()  # a step boundary: where a live call's interrupt may land
 
     def __init__(self, *args, **kwargs):
         file = kwargs.get("file", args[4] if len(args) > 4 else None)
         # Decided before tqdm's own __init__, which draws the empty bar.
-        self._nblaunch_row = progress._reporter is not None and file in (None, sys.stdout, sys.stderr)
+        reporter = progress.reporter()
+        self._nblaunch_row = reporter is not None and file in (None, sys.stdout, sys.stderr)
         self._nblaunch_closing = False
         init(self, *args, **kwargs)
         if self._nblaunch_row and not self.disable:
             self._nblaunch_mirror = _TqdmRow(self)
-            progress._reporter.add(self._nblaunch_mirror)
+            reporter.add(self._nblaunch_mirror)
 
     def display_(self, msg=None, pos=None):
         # Silent while the row shows it; its final line when it closes with
@@ -83,9 +84,10 @@ def mirror(tqdm_cls) -> None:
             return close(self)
         finally:
             row = self.__dict__.get("_nblaunch_mirror")
-            if row is not None and progress._reporter is not None:
+            reporter = progress.reporter()
+            if row is not None and reporter is not None:
                 row.final = _TqdmRow.read(self, when=time.time())
-                progress._reporter._wake.set()
+                reporter.wake()
 
     tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.clear, tqdm_cls.close = __init__, display_, clear_, close_
     tqdm_cls.__iter__ = __iter__

@@ -6,11 +6,18 @@ import math
 
 from .state import RankState
 
-_STATE_COLOR = {"failed": "#c62828", "stopped": "#8a8a8a", "interrupted": "#ef6c00",
-                "timed out": "#ef6c00", "finished": "#2e7d32"}
+__all__ = ["PALETTE", "PART", "STATE_COLOR", "bar_row", "fraction", "svg_chart",
+           "log_ticks", "nice_ticks", "tick_label"]
+
+#: A bar's colour by its status (``RankState.status``, or a run's state for the
+#: header); a status not listed (running) is drawn ``#1565c0``.
+STATE_COLOR = {"failed": "#c62828", "stopped": "#8a8a8a", "interrupted": "#ef6c00",
+               "timed out": "#ef6c00", "finished": "#2e7d32"}
 
 
-def _fraction(r: RankState) -> float:
+def fraction(r: RankState) -> float:
+    """How full a rank's bar is, 0..1: ``n / total`` (clipped at 1); a rank
+    with no total is empty until it finishes, then full."""
     if r.total:
         return min(1.0, r.n / r.total)
     return 1.0 if r.status == "finished" else 0.0
@@ -19,10 +26,14 @@ def _fraction(r: RankState) -> float:
 _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:90%"
 
 
-def _bar_row(label: str, fraction: float, status: str, text: str, warn: bool = False) -> str:
+def bar_row(label: str, fraction: float, status: str, text: str, warn: bool = False) -> str:
+    """One row as HTML: ``label``, a bar ``fraction`` (0..1) full in
+    ``status``'s colour (``STATE_COLOR``), then ``text``, whose parts are
+    separated by ``PART``; the text is in the failure colour for a failed
+    row, orange where ``warn``."""
     # Spans, not <code>: front ends style a static copy's <code> as inline
     # code (grey boxes). nowrap: a number never breaks across lines.
-    color = _STATE_COLOR.get(status, "#1565c0")
+    color = STATE_COLOR.get(status, "#1565c0")
     return (f"<div class='nblaunch-rank' data-status='{html.escape(status)}' data-fraction='{fraction:.3f}' "
             f"style='display:flex;align-items:center;gap:8px;margin:2px 0'>"
             f"<span class='nblaunch-label' style='{_MONO};flex:0 0 6em'>{html.escape(label)}</span>"
@@ -37,26 +48,29 @@ def _unbroken(text: str) -> str:
     """A row's text, free to wrap between its parts (so a narrow cell shows
     all of it) but never inside one: a number and its unit, ``loss=2.162e-05``
     and ``train 16/60`` each stay whole (their spaces are no-break)."""
-    return " ".join(html.escape(part).replace(" ", "&#160;") for part in text.split(_PART))
+    return " ".join(html.escape(part).replace(" ", "&#160;") for part in text.split(PART))
 
 
-_PART = "\x1f"  # separates the parts of a row's text (RankState.detail(parts=True))
+#: Separates the parts of a row's text (``RankState.detail(sep=PART)``);
+#: ``bar_row`` wraps a row's text only here.
+PART = "\x1f"
 
 
-# Mid-tone colours: each reads at WCAG contrast >= 3.4 on JupyterLab's light
-# and dark backgrounds alike (tests/test_view.py checks it).
-_PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#d9660b", "#1a9a9a", "#c2408f", "#8d6e63"]
+#: A rank's colour is ``PALETTE[rank % len(PALETTE)]`` (chart lines, legend,
+#: log tags). Mid-tone colours: each reads at WCAG contrast >= 3.4 on
+#: JupyterLab's light and dark backgrounds alike (tests/test_view.py checks it).
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#d9660b", "#1a9a9a", "#c2408f", "#8d6e63"]
 
 
 def _legend(series: dict[int, list], most: int = 8) -> str:
     """``rank 0 1 2 3``, each number in its line's colour (the rest on hover)."""
     ranks = sorted(series)
-    shown = "".join(f"<tspan fill='{_PALETTE[r % len(_PALETTE)]}' font-weight='bold'> {r}</tspan>"
+    shown = "".join(f"<tspan fill='{PALETTE[r % len(PALETTE)]}' font-weight='bold'> {r}</tspan>"
                     for r in ranks[:most])
     return "rank" + shown + (" ..." if len(ranks) > most else "")
 
 
-def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int = 180) -> str:
+def svg_chart(name: str, series: dict[int, list], width: int = 420, height: int = 180) -> str:
     """A line per rank, drawn as inline SVG (no plotting library, no custom
     JS), with y-axis values and gridlines; the y-axis is logarithmic when the
     values are positive and span more than two decades (a loss falling from
@@ -85,7 +99,7 @@ def _svg_chart(name: str, series: dict[int, list], width: int = 420, height: int
     lines = []
     for rank, pts in sorted(series.items()):
         path = " ".join(f"{left + (x - x0) * sx:.1f},{y_of(y):.1f}" for x, y in pts if not log_scale or y > 0)
-        lines.append(f"<polyline fill='none' stroke='{_PALETTE[rank % len(_PALETTE)]}' "
+        lines.append(f"<polyline fill='none' stroke='{PALETTE[rank % len(PALETTE)]}' "
                      f"stroke-width='1.5' points='{path}'><title>rank {rank}</title></polyline>")
     scale = " (log)" if log_scale else ""
     return (f"<svg class='nblaunch-chart' data-scale='{'log' if log_scale else 'linear'}' width='{width}' "

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .. import ansi
 from .base import View
-from .html import _PALETTE, _PART, _STATE_COLOR, _bar_row, _fraction, _svg_chart
+from .html import PALETTE, PART, STATE_COLOR, bar_row, fraction, svg_chart
 from .state import AGGREGATE_ABOVE, MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
 
 __all__ = ["WidgetDisplay"]
@@ -79,7 +79,7 @@ class WidgetDisplay(View):
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
-        tag = f"<span style='color:{_PALETTE[rank % len(_PALETTE)]}'>[rank {rank}]</span> "
+        tag = f"<span style='color:{PALETTE[rank % len(PALETTE)]}'>[rank {rank}]</span> "
         self._new_lines.extend(tag + ansi.to_html(clip(line)) for line in self._admit(rank, lines))
         if self._live.pop(rank, None) is not None:
             self._live_changed = True
@@ -160,7 +160,7 @@ class WidgetDisplay(View):
             return
         self._last_draw = time.monotonic()
         st = self.state
-        color = _STATE_COLOR.get(st.state, "#1565c0")
+        color = STATE_COLOR.get(st.state, "#1565c0")
         self.header.value = (
             f"<b style='color:{color}'>{st.title}: {st.state}</b> &nbsp; {st.where}, "
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
@@ -169,17 +169,17 @@ class WidgetDisplay(View):
         if not st.changed:
             return
         st.changed = False
-        rows = [_bar_row(st.row_name(i), _fraction(r), r.status, r.detail(sep=_PART),
+        rows = [bar_row(st.row_name(i), fraction(r), r.status, r.detail(sep=PART),
                          warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
                 for i, r in enumerate(st.ranks)]
         if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
-            mean = sum(_fraction(r) for r in st.ranks) / len(st.ranks)
+            mean = sum(fraction(r) for r in st.ranks) / len(st.ranks)
             done = sum(r.status == "finished" for r in st.ranks)
             status = "failed" if any(r.status == "failed" for r in st.ranks) else st.state
-            rows = [_bar_row("all ranks", mean, status, f"{done}/{len(st.ranks)} finished"),
+            rows = [bar_row("all ranks", mean, status, f"{done}/{len(st.ranks)} finished"),
                     "<details><summary>per-rank detail</summary>" + "".join(rows) + "</details>"]
         self.rows.value = "<div class='nblaunch-ranks'>" + "".join(rows) + "</div>"
-        self.chart.value = "".join(_svg_chart(name, series) for name, series in list(st.series.items())[:3])
+        self.chart.value = "".join(svg_chart(name, series) for name, series in list(st.series.items())[:3])
         dropped = (f"{self._dropped:,} earlier lines are only in the log files; " if self._dropped else "")
         self.footer.value = f"<small>{dropped}full output: <code>{html.escape(st.log_dir)}</code></small>"
 
@@ -197,7 +197,7 @@ class WidgetDisplay(View):
         if self._live_changed:
             self._live_changed = False
             self.live.value = (_PAGE_OPEN.replace("margin:0", "margin:0;opacity:0.75") + "\n".join(
-                f"<span style='color:{_PALETTE[r % len(_PALETTE)]}'>[rank {r}]</span> {ansi.to_html(t)}"
+                f"<span style='color:{PALETTE[r % len(PALETTE)]}'>[rank {r}]</span> {ansi.to_html(t)}"
                 for r, t in sorted(self._live.items())) + "</pre>") if self._live else ""
 
     def _new_page(self) -> None:

@@ -1,0 +1,63 @@
+"""The Engine contract: how a session gets its ranks.
+
+One kind of engine per way of getting ranks (this folder: local, elastic,
+slurm, ray; the last two share the node agents of ``agents.py``). The
+session picks one, once, from the config (:func:`nblaunch.engines.engine_for`)
+and from then on only uses what is declared here, and the
+:class:`~nblaunch.engines.pool.RankPool` each generation of ranks is:
+
+    engine = engine_for(config, live)        # finds its nodes: errors before any process starts
+    pool = engine.new_pool(job, attempt)     # a generation, not started yet
+    engine.place(pool, view)                 # starts it, says where its ranks sit
+    ... pool.send / pool.poll / pool.stop / pool.close (the call watch) ...
+    engine.close()                           # gives back what it holds
+
+What a new engine implements is listed in docs/design.md.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Optional
+
+from ..payload import CloudJob, check_sendable
+
+__all__ = ["Engine"]
+
+
+class Engine(abc.ABC):
+    """A way of getting ranks, for the life of one launch or live session.
+
+    ``method`` is how its ranks are made as the view says it (``fork``,
+    ``slurm``...); ``backend`` the process group's backend (None: no group),
+    which ``place`` may settle (the nodes' GPUs decide); ``notice`` a line
+    every view of it says first (why ``auto`` did not fork); ``world_size``
+    the ranks the kernel sees before they are placed; ``pg_timeout`` the
+    process group's timeout (seconds)."""
+
+    method: str
+    backend: Optional[str]
+    notice: Optional[str] = None
+    world_size: int
+    pg_timeout: float
+
+    def job(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A launch's one call as its ranks receive it: pickled by
+        cloudpickle (checked now, so what cannot be sent is named before any
+        process starts)."""
+        check_sendable(fn, args, kwargs)
+        return CloudJob(fn, args, kwargs)
+
+    @abc.abstractmethod
+    def new_pool(self, job: Any, attempt: int):
+        """A generation of ranks (a ``RankPool``), not started yet. ``job``:
+        a launch's one call (None: live ranks, whose calls come by
+        ``send``); ``attempt``: how many generations came before."""
+
+    def place(self, pool, view) -> None:
+        """Start the generation's ranks and show in ``view`` where they sit in the job."""
+        pl = pool.start(tick=view.tick)
+        view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
+
+    def close(self) -> None:
+        """Give back what the engine holds (a store, a rendezvous, an
+        allocation it asked for). Safe twice."""

@@ -1,0 +1,41 @@
+"""The local engine: ranks started on this machine, forked from a zygote
+(:mod:`nblaunch.zygote`), or by forkserver or spawn (:mod:`nblaunch.plan`
+decides which), into a :class:`~nblaunch.pool.LocalPool`."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..nodes import SingleNode
+from ..plan import plan_ranks
+from ..pool import LocalPool
+from .base import Engine
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine(Engine):
+    """``config.num_processes`` ranks on this machine; the kernel hosts their store."""
+
+    def __init__(self, config, live: bool):
+        self.config = config
+        self.plan = plan_ranks(config, live=live)
+        self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
+        self.world_size = config.num_processes
+        self.pg_timeout = self.plan.pg_timeout
+        self.nodes = self._nodes()
+
+    def _nodes(self):
+        """Where this node's ranks sit in the job: here, the whole job."""
+        c = self.config
+        return SingleNode(c.addr, c.num_processes, self.pg_timeout)
+
+    def job(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.plan.forked:
+            return (fn, tuple(args), kwargs)  # inherited as it is: nothing is pickled
+        return super().job(fn, args, kwargs)
+
+    def new_pool(self, job: Any, attempt: int) -> LocalPool:
+        return LocalPool(self.plan, self.nodes, job=job, attempt=attempt)
+
+    def close(self) -> None:
+        self.nodes.close()
