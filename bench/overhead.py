@@ -87,7 +87,8 @@ def rank_setup_ms() -> float:
     import pytorch_lightning  # noqa: F401
     import transformers.trainer  # noqa: F401
 
-    from nblaunch import integrations, rank_env
+    from nblaunch import integrations
+    from nblaunch.rank import env as rank_env
 
     t = time.perf_counter()
     for _ in range(5):
@@ -127,7 +128,7 @@ def _torch_rank(index, steps, port, out):
     import torch
     import torch.distributed as dist
 
-    from nblaunch.plan import default_threads
+    from nblaunch.engines.plan import default_threads
 
     torch.set_num_threads(default_threads(2))  # what nblaunch gives each rank: compare loops, not thread counts
     dist.init_process_group("gloo")

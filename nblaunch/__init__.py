@@ -4,8 +4,8 @@ from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
-from .ray_engine import Ray
-from .slurm import Slurm
+from .engines.ray import Ray
+from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
            "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray"]

@@ -122,13 +122,13 @@ def _check_ranks(c: LaunchConfig) -> None:
 
 
 def _check_cluster(c: LaunchConfig) -> None:
-    """``cluster``: made a :class:`~nblaunch.slurm.Slurm` or
-    :class:`~nblaunch.ray_engine.Ray`; ``num_nodes`` then means how many of
+    """``cluster``: made a :class:`~nblaunch.engines.slurm.Slurm` or
+    :class:`~nblaunch.engines.ray.Ray`; ``num_nodes`` then means how many of
     its nodes (1, the default: all of them; see :func:`_check_counts`)."""
     if c.cluster is None:
         return
-    from .ray_engine import Ray
-    from .slurm import Slurm
+    from .engines.ray import Ray
+    from .engines.slurm import Slurm
 
     if isinstance(c.cluster, str) and c.cluster.lower() in ("slurm", "ray"):
         object.__setattr__(c, "cluster", Slurm() if c.cluster.lower() == "slurm" else Ray())
@@ -186,7 +186,7 @@ def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
 
 
 def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]]) -> str:
-    from .nodes import route_address
+    from .engines.nodes import route_address
 
     if master_addr is not None:
         return master_addr
@@ -201,7 +201,7 @@ def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]
 
 def _check_settings(addr: str) -> None:
     """What would otherwise fail only inside the ranks, after fn ran."""
-    from .worker import max_result_bytes
+    from .rank.worker import max_result_bytes
 
     try:
         max_result_bytes()

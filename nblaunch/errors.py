@@ -14,7 +14,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .frames import in_notebook_terms, is_machinery, parse_frame
+from .rank.frames import in_notebook_terms, is_machinery, parse_frame
 
 __all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "RankFailure", "Departure"]
 

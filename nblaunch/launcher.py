@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from . import worker
+from .rank import worker
 from .config import LaunchConfig, check_call
 from .errors import LaunchError
 from .session import LaunchResults, Session, one_at_a_time

@@ -2,7 +2,7 @@
 their constants: ``prctl`` (Linux's process controls) and ``fflush``.
 
 Looked up once, in the kernel, when this module is imported (importing
-``nblaunch`` does, through :mod:`nblaunch.worker`): a forked rank then uses
+``nblaunch`` does, through :mod:`nblaunch.rank.worker`): a forked rank then uses
 them as they are, while making them anew ran ctypes' set-up in every rank
 (page copies of the kernel's, ~0.2 MiB a rank). Each is None where there is
 no libc (``prctl`` also where libc has none: not Linux). Imports nothing but

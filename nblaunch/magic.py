@@ -27,11 +27,12 @@ import os
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import namespace, session
+from .rank import namespace
+from . import session
 from .errors import LaunchError
-from .frames import register_cell
+from .rank.frames import register_cell
 from .launcher import notebook_launcher
-from .plan import choose_start_method
+from .engines.plan import choose_start_method
 
 __all__ = ["NBLaunchMagics", "load_ipython_extension"]
 
@@ -44,7 +45,7 @@ def run_cell(source: str, filename: str, names: dict):
     value of its last expression (None if it ends with a statement). In a
     live rank, in the rank's own namespace, where the names the cell binds
     stay for the next cell."""
-    from .worker import current_spec
+    from .rank.worker import current_spec
 
     if current_spec() is not None and current_spec().live:
         ns = namespace.current()

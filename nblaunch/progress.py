@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Iterable, Optional, Protocol
 
-from .channel import GpuMemory, Metrics, Progress, Stopping
+from .wire.channel import GpuMemory, Metrics, Progress, Stopping
 
 __all__ = ["progress", "log"]  # what a user imports; the rank-side API is below, by name
 

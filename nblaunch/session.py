@@ -7,7 +7,7 @@
     ranks.close()
 
 A :class:`Session` owns the config, the engine and each generation of ranks (a
-:class:`~nblaunch.pool.RankPool`); every call on it is one
+:class:`~nblaunch.engines.pool.RankPool`); every call on it is one
 :class:`~nblaunch.watch.CallWatch`. ``notebook_launcher`` is a session whose
 ranks serve one call; :class:`Ranks` is a session whose ranks serve calls
 until closed.
@@ -29,14 +29,14 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional
 
-from . import namespace, worker
-from .channel import CLOSE, Call
+from .rank import namespace, worker
+from .wire.channel import CLOSE, Call
 from .config import LaunchConfig, check_call, check_call_options
 from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for
 from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
-from .payload import check_sendable
-from .pool import RankPool
+from .wire.payload import check_sendable
+from .engines.pool import RankPool
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -75,7 +75,7 @@ class Session:
     """The ranks of one launch or one live session, generation after generation.
 
     It owns the config, the engine (chosen once: it decides how ranks are
-    made and where), the current :class:`~nblaunch.pool.RankPool` and the
+    made and where), the current :class:`~nblaunch.engines.pool.RankPool` and the
     restarts. A launch (:meth:`launch`) is a session whose ranks serve one
     call and end; with ``max_restarts`` a failed generation is replaced.
     Live ranks (:meth:`open`, :meth:`call`, :meth:`close`) serve calls until

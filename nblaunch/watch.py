@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import errors
-from .channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Result, Started, Stopping
+from .wire.channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Result, Started, Stopping
 from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures, left_early,
                      render_interrupt)
-from .pool import Exited, Lines, Lost, Message, RankPool, Rewriting
+from .engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
 from .resources import Sampler
-from .worker import max_result_bytes
+from .rank.worker import max_result_bytes
 
 __all__ = ["CallWatch", "Stalls"]
 

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from nblaunch import link
-from nblaunch.channel import RELEASE, Started
-from nblaunch.cluster import AgentPool
+from nblaunch.wire import link
+from nblaunch.wire.channel import RELEASE, Started
+from nblaunch.engines.agents import AgentPool
 from nblaunch.config import LaunchConfig
-from nblaunch.pool import Exited, Lines, Lost, Message
+from nblaunch.engines.pool import Exited, Lines, Lost, Message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,7 +182,7 @@ def test_tensors_in_a_launchs_job_travel_in_its_bytes_not_as_shared_memory_handl
     """A handle to this machine's shared memory means nothing on another node."""
     import torch
 
-    from nblaunch.payload import CloudJob
+    from nblaunch.wire.payload import CloudJob
 
     weights = torch.full((10_000,), 7.0)
     engine = ScriptedEngine({})

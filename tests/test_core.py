@@ -14,11 +14,11 @@ from typing import Optional
 import pytest
 
 from nblaunch import watch as watch_mod
-from nblaunch.channel import Failure, Progress, Result, Started, Stopping
+from nblaunch.wire.channel import Failure, Progress, Result, Started, Stopping
 from nblaunch.view import TextDisplay
 from nblaunch.errors import LaunchTimeout, WorkerError
-from nblaunch.nodes import Placement
-from nblaunch.pool import Exited, Lines, Message, RankPool
+from nblaunch.engines.nodes import Placement
+from nblaunch.engines.pool import Exited, Lines, Message, RankPool
 from nblaunch.watch import CallWatch, Stalls
 
 PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"

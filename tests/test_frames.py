@@ -7,9 +7,9 @@ import os
 import threading
 
 import nblaunch
-from nblaunch import stacks
+from nblaunch.rank import stacks
 from nblaunch.errors import RankFailure, WorkerError
-from nblaunch.frames import is_machinery
+from nblaunch.rank.frames import is_machinery
 
 PACKAGE = os.path.dirname(nblaunch.__file__)
 MP = os.path.dirname(multiprocessing.__file__)

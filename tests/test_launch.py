@@ -13,7 +13,7 @@ import pytest
 
 import nblaunch
 from nblaunch import LaunchTimeout, WorkerError, notebook_launcher
-from nblaunch.plan import default_threads
+from nblaunch.engines.plan import default_threads
 
 from conftest import START_METHODS
 

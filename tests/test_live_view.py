@@ -91,7 +91,7 @@ def test_text_fallback_outside_a_kernel_prints_status_and_summary(tmp_path):
 
 
 def test_many_ranks_collapse_to_one_bar_with_detail_on_demand():
-    from nblaunch.channel import Progress
+    from nblaunch.wire.channel import Progress
     from nblaunch.view import WidgetDisplay
 
     view = WidgetDisplay(show=False)  # the drawing, without a kernel to show it in

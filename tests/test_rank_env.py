@@ -472,7 +472,7 @@ def test_the_kernel_names_what_a_forked_rank_must_change_so_the_rank_walks_nothi
 
     import pytorch_lightning  # noqa: F401  (defines and copies _IS_INTERACTIVE)
 
-    from nblaunch import rank_env
+    from nblaunch.rank import env as rank_env
 
     handler = logging.StreamHandler(sys.stderr)
     named = logging.getLogger("nblaunch-test-kernel-logger")

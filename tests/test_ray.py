@@ -70,7 +70,7 @@ def _ours() -> list[psutil.Process]:
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             # A Ray agent (and its ranks) has the node index the actor gave it; a SLURM one does not.
-            if "_AgentActor" in cmd or ("nblaunch.agent" in cmd and "NBLAUNCH_NODE" in p.environ()):
+            if "_AgentActor" in cmd or ("nblaunch.engines.agent" in cmd and "NBLAUNCH_NODE" in p.environ()):
                 found.append(p)
         except psutil.Error:
             pass

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from nblaunch.channel import Progress
+from nblaunch.wire.channel import Progress
 
 progress = importlib.import_module("nblaunch.progress")  # the module; nblaunch.progress is also the bar class
 

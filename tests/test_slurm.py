@@ -40,7 +40,7 @@ def _agents(job: str) -> list[psutil.Process]:
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("nblaunch.agent" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE
+            if ("nblaunch.engines.agent" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE
                     and (f"--jobid={job} " in cmd or p.environ().get("SLURM_JOB_ID") == job)):
                 found.append(p)
         except psutil.Error:
@@ -306,7 +306,7 @@ def test_the_agents_port_refuses_a_wrong_or_missing_secret_and_lets_the_right_on
     says nothing, one that sends a pickle at once; then the real agent."""
     import socket
 
-    from nblaunch import link
+    from nblaunch.wire import link
 
     secret = link.new_secret()
     listener = link.Listener("127.0.0.1", secret)

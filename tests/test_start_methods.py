@@ -181,7 +181,7 @@ def test_a_cell_function_that_calls_open_travels_small(kernel):
     is the function, not IPython (it was 185 KB per rank)."""
     reply = kernel.execute(
         "from nblaunch import notebook_launcher\n"
-        "from nblaunch.payload import CloudJob\n"
+        "from nblaunch.wire.payload import CloudJob\n"
         "def reads(path):\n"
         "    with open(path) as f:\n"
         "        return f.read()\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from nblaunch import ansi
-from nblaunch.channel import Progress
+from nblaunch.view import ansi
+from nblaunch.wire.channel import Progress
 from nblaunch.view import LaunchState, TextDisplay, clip
 
 

@@ -181,7 +181,8 @@ def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
     import os
     import time
 
-    from nblaunch import LaunchError, worker
+    from nblaunch import LaunchError
+    from nblaunch.rank import worker
 
     monkeypatch.setattr(worker, "prepare_for_ranks", lambda spec: os._exit(3))
     fds = len(os.listdir("/proc/self/fd"))

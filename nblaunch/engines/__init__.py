@@ -16,8 +16,8 @@ def engine_for(config, live: bool = False) -> Engine:
     of a cluster (``cluster=``). A cluster engine finds its nodes now, so a
     missing allocation or cluster is a clear error before any process starts."""
     if config.cluster is not None:
-        from ..ray_engine import Ray, RayEngine
-        from ..slurm import SlurmEngine
+        from .ray import Ray, RayEngine
+        from .slurm import SlurmEngine
 
         kind = RayEngine if isinstance(config.cluster, Ray) else SlurmEngine
         return kind(config, live)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Optional
 
-from ..payload import CloudJob, check_sendable
+from ..wire.payload import CloudJob, check_sendable
 
 __all__ = ["Engine"]
 

@@ -1,6 +1,6 @@
 """The torch-elastic engine: this kernel is one node of several (a kernel on
 each machine, or several launcher processes), joined through torch's elastic
-rendezvous (:class:`~nblaunch.nodes.NodeGroup`). Each node starts its own
+rendezvous (:class:`~nblaunch.engines.nodes.NodeGroup`). Each node starts its own
 ranks as the local engine does; what it adds is the relay between nodes: a
 failure on one node is published to the others, which stop their ranks
 within a poll instead of waiting in a collective until its timeout, and a
@@ -12,8 +12,8 @@ from typing import Optional
 
 from .. import errors
 from ..errors import RankFailure
-from ..nodes import NodeGroup
-from ..pool import LocalPool
+from .nodes import NodeGroup
+from .pool import LocalPool
 from .local import LocalEngine
 
 __all__ = ["ElasticEngine", "ElasticPool"]

@@ -1,13 +1,13 @@
 """The local engine: ranks started on this machine, forked from a zygote
-(:mod:`nblaunch.zygote`), or by forkserver or spawn (:mod:`nblaunch.plan`
-decides which), into a :class:`~nblaunch.pool.LocalPool`."""
+(:mod:`nblaunch.engines.zygote`), or by forkserver or spawn (:mod:`nblaunch.engines.plan`
+decides which), into a :class:`~nblaunch.engines.pool.LocalPool`."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..nodes import SingleNode
-from ..plan import plan_ranks
-from ..pool import LocalPool
+from .nodes import SingleNode
+from .plan import plan_ranks
+from .pool import LocalPool
 from .base import Engine
 
 __all__ = ["LocalEngine"]

@@ -4,7 +4,7 @@ Libraries that work out "am I in a notebook?" (or keep process state) at
 import time give a forked rank the kernel's answer; progress bars draw where a
 rank cannot. Each shim is named by the module it adapts, applied right after
 that module is imported in the rank, or at once when a forked rank inherited
-it imported (:func:`install`, called by :func:`nblaunch.rank_env.become_rank`).
+it imported (:func:`install`, called by :func:`nblaunch.rank.env.become_rank`).
 A shim that fails says so on the rank's stderr and never breaks the rank.
 
 - :mod:`.tqdm`: console bars become rows; notebook bars behave as console bars;

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import ansi
+from . import ansi
 from .state import LOG_TAIL, MAX_BYTES_PER_S, MAX_LINE_CHARS, MAX_LINES_PER_S, LaunchState, clip
 
 __all__ = ["View", "in_kernel"]

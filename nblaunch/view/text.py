@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-from .. import ansi
+from . import ansi
 from .base import View, in_kernel
 from .state import MAX_RATE, STATUS_EVERY_S, clip
 

@@ -6,7 +6,7 @@ import html
 import time
 from typing import Optional
 
-from .. import ansi
+from . import ansi
 from .base import View
 from .html import PALETTE, PART, STATE_COLOR, bar_row, fraction, svg_chart
 from .state import AGGREGATE_ABOVE, MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip

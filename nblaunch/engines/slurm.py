@@ -1,9 +1,9 @@
 """The SLURM engine: ranks on the nodes of a SLURM allocation.
 
 SLURM starts the processes, nblaunch never does it by ssh: one ``srun`` step
-runs an nblaunch agent (:mod:`nblaunch.agent`) on each node, and each agent
+runs an nblaunch agent (:mod:`nblaunch.engines.agent`) on each node, and each agent
 starts its node's ranks and talks to the kernel over the authenticated
-channel (:mod:`nblaunch.link`). The kernel may run inside the allocation (a
+channel (:mod:`nblaunch.wire.link`). The kernel may run inside the allocation (a
 Jupyter server started by ``sbatch``/``salloc``, Open OnDemand, batchspawner):
 its nodes are used. Outside one, :class:`Slurm` with ``nodes`` asks SLURM for
 an allocation (``salloc --no-shell``), shows its state while it is pending,
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .cluster import AgentEngine, AgentStep
-from .errors import LaunchError
+from .agents import AgentEngine, AgentStep
+from ..errors import LaunchError
 
 __all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
 
@@ -212,7 +212,7 @@ class SlurmEngine(AgentEngine):
                 f"--ntasks={self.num_nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self._cpus}",
                 f"--nodelist={','.join(self.hosts)}", "--kill-on-bad-exit=0", "--job-name=nblaunch-agents",
                 *self.spec.srun_args,
-                sys.executable, "-m", "nblaunch.agent", "--node-var", "SLURM_PROCID", "--name-var", "SLURMD_NODENAME"]
+                sys.executable, "-m", "nblaunch.engines.agent", "--node-var", "SLURM_PROCID", "--name-var", "SLURMD_NODENAME"]
 
     @property
     def reach(self) -> str:

@@ -26,7 +26,7 @@ def _forms(path: str) -> set[str]:
     return {os.path.abspath(path), os.path.realpath(path)}
 
 
-_PACKAGE_DIRS = tuple(p + os.sep for p in _forms(os.path.dirname(__file__)))
+_PACKAGE_DIRS = tuple(p + os.sep for p in _forms(os.path.dirname(os.path.dirname(__file__))))  # nblaunch/, not rank/
 _STDLIB_PACKAGES = tuple(p + os.sep for p in _forms(os.path.dirname(multiprocessing.__file__)))
 _STDLIB_FILES = frozenset(_forms(threading.__file__) | _forms(runpy.__file__))
 

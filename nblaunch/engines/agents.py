@@ -1,13 +1,13 @@
 """A rank pool whose ranks run on the nodes of a cluster engine (SLURM).
 
-The engine starts one agent per node (:mod:`nblaunch.agent`); each agent
+The engine starts one agent per node (:mod:`nblaunch.engines.agent`); each agent
 starts its node's ranks and relays between them and this pool over the
-authenticated channel (:mod:`nblaunch.link`). To the call watch this is a
+authenticated channel (:mod:`nblaunch.wire.link`). To the call watch this is a
 rank pool like any other: ranks are numbered ``0..world_size-1`` (node
 ``i`` holds ``i * num_processes`` on), every rank's output, events and exit
 arrive through :meth:`AgentPool.poll`, and the verbs go to the agent of the
 rank's node. A node whose agent's connection closes, or that the engine
-ended, is a :class:`~nblaunch.pool.Lost` for each of its ranks still up.
+ended, is a :class:`~nblaunch.engines.pool.Lost` for each of its ranks still up.
 
 The kernel hosts the ranks' TCPStore on the address it uses to reach the
 nodes, and the agents' listener beside it; both exist only as long as the
@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from . import link
-from .channel import RELEASE, Started
-from .engines.base import Engine
-from .errors import LaunchError
-from .logs import new_launch_dir, release_launch_dir
+from ..wire import link
+from ..wire.channel import RELEASE, Started
+from .base import Engine
+from ..errors import LaunchError
+from ..logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
-from .modules import local_sources
-from .payload import CloudJob, PackedJob
+from ..wire.modules import local_sources
+from ..wire.payload import CloudJob, PackedJob
 from .plan import pg_timeout_for, resolve_backend
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
 
@@ -423,7 +423,7 @@ class AgentStep(abc.ABC):
 
 class AgentEngine(Engine):
     """Ranks on the nodes of a cluster, through one agent per node
-    (:mod:`nblaunch.agent`) that starts its node's ranks and relays for
+    (:mod:`nblaunch.engines.agent`) that starts its node's ranks and relays for
     them. An engine of this kind says how many nodes it has
     (``num_nodes``), where the kernel reaches them (``reach``), gets them
     (``allocate``), starts the agents (``start_agents``) and gives back what

@@ -1,8 +1,8 @@
 """What a rank looks like to the libraries it runs: a torchrun rank, not a notebook.
 
-``become_rank`` is called once, early, from :func:`nblaunch.worker.run_worker`,
+``become_rank`` is called once, early, from :func:`nblaunch.rank.worker.run_worker`,
 whatever started the rank (for forked ranks on Linux, once for all of them,
-by the zygote that forks them: :mod:`nblaunch.zygote`). A forked rank is a
+by the zygote that forks them: :mod:`nblaunch.engines.zygote`). A forked rank is a
 copy of the kernel: IPython's shell, ``sys.ps1``, the kernel's display and
 exception hooks, logging handlers that write to the kernel's sockets, and
 every answer a library worked out at import time ("am I in a notebook?")
@@ -40,7 +40,7 @@ import sys
 import threading
 from typing import Optional
 
-from . import integrations
+from .. import integrations
 
 __all__ = ["become_rank", "kernel_logging", "rank_environ"]
 

@@ -23,7 +23,7 @@ import pickle
 import sys
 from typing import Any, Optional
 
-from .payload import NotebookPickler
+from ..wire.payload import NotebookPickler
 
 __all__ = ["RankNamespace", "pack_call", "current"]
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from . import linux, progress, rank_env, stacks
-from .channel import CLOSE, RELEASE, Call, EventSender, Failure, Phase, Result, Started
+from .. import linux, progress
+from . import env as rank_env, stacks
+from ..wire.channel import CLOSE, RELEASE, Call, EventSender, Failure, Phase, Result, Started
 from .frames import is_machinery
 
 __all__ = ["WorkerSpec", "run_worker", "current_spec"]
@@ -83,7 +84,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     until it says ``CLOSE``, after reporting its set-up as call 0. Events
     name the rank by its local rank: the kernel knows the rest. ``parent``:
     the process that started this one, when it may already be gone (a rank
-    forked by :mod:`nblaunch.zygote`)."""
+    forked by :mod:`nblaunch.engines.zygote`)."""
     global _current
     if _prepared is None:
         _default_stop_signals()
@@ -150,7 +151,7 @@ def _calls_from(go: Connection):
 def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool:
     """Run each call, report its end (``Result`` or ``Failure``), and return
     whether the last one succeeded. A live rank runs it in its own namespace
-    (:mod:`nblaunch.namespace`), where an exception ends the call, not the
+    (:mod:`nblaunch.rank.namespace`), where an exception ends the call, not the
     rank. The kernel interrupts a live call (its interrupt button, or another
     rank's failure) by writing the call's number to ``interrupt_file`` and
     sending SIGINT: a ``KeyboardInterrupt`` in the call's function, raised as
@@ -233,7 +234,7 @@ def _call_timeout(spec: WorkerSpec, timeout: Optional[float]) -> None:
     try:
         import torch.distributed as dist
 
-        from .plan import pg_timeout_for
+        from ..engines.plan import pg_timeout_for
 
         if dist.is_initialized():
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=pg_timeout_for(timeout)))
@@ -362,7 +363,7 @@ def _has_children() -> bool:
 
 
 def _start_janitor() -> None:
-    """Start :mod:`nblaunch.janitor` for this rank (Linux): it ends what the
+    """Start :mod:`nblaunch.rank.janitor` for this rank (Linux): it ends what the
     rank started if the rank dies with its kernel. It gets the read end of a
     pipe whose write end this rank keeps until it dies. Called by the
     parent-watch thread once the rank has children."""
@@ -372,10 +373,12 @@ def _start_janitor() -> None:
     import subprocess
 
     read, write = os.pipe()
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import nblaunch
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])))
     try:
-        subprocess.Popen([sys.executable, "-m", "nblaunch.janitor", str(os.getpid()), str(read)],
+        subprocess.Popen([sys.executable, "-m", "nblaunch.rank.janitor", str(os.getpid()), str(read)],
                          pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     except OSError:
@@ -465,7 +468,7 @@ def _process_watch(pid: int) -> Callable[[], bool]:
 
 
 # None: this process is not ready to be a rank; True: it is (a rank forked
-# by nblaunch.zygote, which made itself ready once for all its ranks); an
+# by nblaunch.engines.zygote, which made itself ready once for all its ranks); an
 # exception: making it ready failed, and each rank raises it.
 _prepared: Any = None
 _prepared_said = b""  # what making it ready wrote on fds 1/2: each rank writes it on its own
@@ -473,7 +476,7 @@ _prepared_said = b""  # what making it ready wrote on fds 1/2: each rank writes 
 
 def prepare_for_ranks(spec: WorkerSpec) -> None:
     """Everything of becoming a rank that is the same for every rank of a
-    generation, done in :mod:`nblaunch.zygote`'s process before it forks
+    generation, done in :mod:`nblaunch.engines.zygote`'s process before it forks
     them (the rest follows in :func:`run_worker`). What it writes (a shim
     that could not adapt a library says so) is kept for the ranks' output;
     this process's fds 0-2 are /dev/null afterwards."""
@@ -675,7 +678,7 @@ def _dump_result(rank: int, value: Any) -> tuple[bytes, int]:
         return buf.getvalue(), shared.nbytes
     except Exception:
         pass
-    from .payload import sharing_pickler  # classes defined in the cell, closures...
+    from ..wire.payload import sharing_pickler  # classes defined in the cell, closures...
 
     shared = _count_shared(ForkingPickler._extra_reducers)
     try:

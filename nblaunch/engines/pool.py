@@ -16,8 +16,8 @@ that never ran a parallel region gives the child a clean pool, so a kernel
 that already ran ``torch.randn(n).sum()`` cannot hang the ranks. The helper
 thread lives as long as the kernel because Linux sends the ranks'
 parent-death signal when the *thread* that forked them ends. On Linux,
-forked ranks come from one :class:`~nblaunch.zygote.Zygote` per generation,
-which that thread forks (see :mod:`nblaunch.zygote` for why).
+forked ranks come from one :class:`~nblaunch.engines.zygote.Zygote` per generation,
+which that thread forks (see :mod:`nblaunch.engines.zygote` for why).
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ from typing import Any, BinaryIO, Callable, Optional, Union
 
 import psutil
 
-from .channel import Event, Started, decode
-from .errors import LaunchError
-from .logs import new_launch_dir, release_launch_dir
+from ..wire.channel import Event, Started, decode
+from ..errors import LaunchError
+from ..logs import new_launch_dir, release_launch_dir
 from .nodes import Nodes, Placement
-from .resources import gpu_devices
-from .stacks import collect, collectives, format_stacks
-from .worker import WorkerSpec, run_worker
+from ..resources import gpu_devices
+from ..rank.stacks import collect, collectives, format_stacks
+from ..rank.worker import WorkerSpec, run_worker
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["RankPool", "LocalPool", "Lines", "Rewriting", "Message", "Exited", "Lost"]
@@ -71,7 +71,7 @@ class Rewriting:
 
 @dataclass(frozen=True)
 class Message:
-    """An event the rank sent (:mod:`nblaunch.channel`)."""
+    """An event the rank sent (:mod:`nblaunch.wire.channel`)."""
     rank: int
     event: Event
 
@@ -251,7 +251,7 @@ class LocalPool(RankPool):
 
     ``job`` is the launch's one call, given at start (the ranks of a live
     session get theirs over the control pipe instead: None). ``nodes`` places
-    this node's ranks in the job (:mod:`nblaunch.nodes`); ``attempt`` counts
+    this node's ranks in the job (:mod:`nblaunch.engines.nodes`); ``attempt`` counts
     restarts."""
 
     def __init__(self, plan, nodes: Nodes, job: Any = None, attempt: int = 0):

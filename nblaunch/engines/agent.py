@@ -1,10 +1,10 @@
-"""A node agent: ``python -m nblaunch.agent``, one per node of a cluster launch.
+"""A node agent: ``python -m nblaunch.engines.agent``, one per node of a cluster launch.
 
 The cluster engine starts it (SLURM's ``srun``; a Ray actor), with the
 kernel's address and the launch's secret in its environment. It connects
-(:mod:`nblaunch.link`), says which node it is, receives the launch (the
+(:mod:`nblaunch.wire.link`), says which node it is, receives the launch (the
 config, the job, where its ranks sit in the job), starts its node's ranks
-as a :class:`~nblaunch.pool.LocalPool` does on one machine (fork, from this
+as a :class:`~nblaunch.engines.pool.LocalPool` does on one machine (fork, from this
 fresh process that never ran OpenMP or CUDA), and then relays: what the
 ranks send and print goes to the kernel as the pool reports it, and the
 kernel's verbs (send, signal, interrupt, stacks, stop, drain, close) are
@@ -58,7 +58,7 @@ def relayable(item: Any, pool) -> Any:
     """A pool event as it can cross to another machine: a result whose
     tensors sit in this node's shared memory is fetched here and pickled by
     value (the rank is then released)."""
-    from .channel import RELEASE, Result
+    from ..wire.channel import RELEASE, Result
     from .pool import Message
 
     if not (isinstance(item, Message) and isinstance(item.event, Result) and item.event.shared):
@@ -105,9 +105,9 @@ class _Agent:
             self._folder.cleanup()
 
     def _plan(self, setup: dict) -> tuple:
-        from . import modules
+        from ..wire import modules
         from .plan import plan_ranks
-        from .resources import Sampler, gpu_devices
+        from ..resources import Sampler, gpu_devices
 
         config = setup["config"]
         # Before the plan: it records the environment the ranks get (PYTHONPATH included).
@@ -147,7 +147,7 @@ class _Agent:
 
     def _apply(self, message: tuple) -> bool:
         """One verb from the kernel; True when it says to leave."""
-        from .channel import RELEASE
+        from ..wire.channel import RELEASE
 
         pool = self.pool
         kind, *args = message
@@ -185,11 +185,11 @@ class _Agent:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nblaunch.agent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nblaunch.engines.agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--node-var", default="", help="the variable holding this node's index")
     parser.add_argument("--name-var", default="", help="the variable holding this node's name")
     opts = parser.parse_args(argv)
-    from . import link
+    from ..wire import link
     from .nodes import route_address
 
     secret = bytes.fromhex(os.environ.pop(link.SECRET_ENV, ""))
@@ -215,7 +215,7 @@ def main(argv: Optional[list] = None) -> int:
     import torch
     import torch.distributed
 
-    from . import worker  # noqa: F401
+    from ..rank import worker  # noqa: F401
 
     conn = link.connect((host.strip("[]"), int(port)), secret)
     agent = _Agent(conn)

@@ -52,7 +52,7 @@ CLOSE = "close"  # kernel -> a live rank, on the go pipe: leave
 @dataclass(frozen=True)
 class Call:
     """Kernel -> a rank: run ``job`` as call number ``id``. A live rank
-    gets each on its go pipe (``job``: a :func:`nblaunch.namespace.pack_call`
+    gets each on its go pipe (``job``: a :func:`nblaunch.rank.namespace.pack_call`
     payload); a launch's rank has its one call, number 0, from the start
     (``job``: ``(fn, args, kwargs)`` when forked, else a ``PackedJob``).
     ``timeout``: the call's, which its collectives' timeout follows."""

@@ -9,13 +9,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import procid, rank_env
-from .config import LaunchConfig
+from .. import procid
+from ..rank import env as rank_env
+from ..config import LaunchConfig
 
 __all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
-#: :mod:`nblaunch.forkserver_guard` to know its kernel by.
+#: :mod:`nblaunch.engines.forkserver_guard` to know its kernel by.
 FORKSERVER_STARTER_ENV = "NBLAUNCH_FORKSERVER_STARTER"
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
 MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
@@ -116,7 +117,7 @@ def _preload_forkserver() -> None:
     if sys.platform.startswith("linux"):
         os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["nblaunch.forkserver_guard", "nblaunch.worker", "torch", "torch.distributed", "cloudpickle"])
+        ["nblaunch.engines.forkserver_guard", "nblaunch.rank.worker", "torch", "torch.distributed", "cloudpickle"])
 
 
 def _cuda_initialized() -> bool:

@@ -7,13 +7,13 @@ rank's pipe, the library shims, and the first run of any inherited code
 Measured per rank: about 1.7 MiB of the kernel's pages copied by that alone.
 So a fork-started generation's ranks are forked from one process, the
 *zygote* (as Android and Chromium name theirs): a copy of the kernel that
-does that work once (:func:`nblaunch.worker.prepare_for_ranks`) and then
+does that work once (:func:`nblaunch.rank.worker.prepare_for_ranks`) and then
 forks each rank, which shares those pages with it. The pages the kernel
 itself writes while its ranks run are likewise copied once, by the zygote,
 rather than once per rank.
 
 The zygote is started by the pool's starter thread (a thread that never ran
-OpenMP, see :mod:`nblaunch.pool`), and forks its ranks from its only
+OpenMP, see :mod:`nblaunch.engines.pool`), and forks its ranks from its only
 thread. The kernel cannot wait for processes that are not its children, so
 the zygote tells it, on one pipe per rank, the rank's pid once forked and
 its exit status once reaped (that pipe is the rank's sentinel: readable once
@@ -32,7 +32,8 @@ from multiprocessing import util
 from multiprocessing.connection import wait
 from typing import Optional
 
-from . import linux, worker
+from .. import linux
+from ..rank import worker
 
 __all__ = ["Zygote", "ZygoteRank", "usable"]
 

@@ -2,7 +2,7 @@
 
 Ray starts the processes: one actor per node, placed one per node by a
 placement group with ``STRICT_SPREAD``, runs an nblaunch agent
-(:mod:`nblaunch.agent`) as its child, and the agent starts that node's ranks
+(:mod:`nblaunch.engines.agent`) as its child, and the agent starts that node's ranks
 and talks to the kernel over the authenticated channel, exactly as under
 SLURM. What Ray does differently, and what is done about it:
 
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from .cluster import AgentEngine, AgentStep
-from .errors import LaunchError
+from .agents import AgentEngine, AgentStep
+from ..errors import LaunchError
 
 __all__ = ["Ray", "RayEngine"]
 
@@ -194,7 +194,7 @@ class _AgentActor:
         env = {**env, "NBLAUNCH_NODE": str(node),
                "NBLAUNCH_NODE_NAME": f"{socket.gethostname()}:{ctx.get_node_id()[:6]}"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "nblaunch.agent", "--node-var", "NBLAUNCH_NODE", "--name-var", "NBLAUNCH_NODE_NAME"],
+            [sys.executable, "-m", "nblaunch.engines.agent", "--node-var", "NBLAUNCH_NODE", "--name-var", "NBLAUNCH_NODE_NAME"],
             env=env, cwd=cwd if os.path.isdir(cwd) else None, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = self._proc.stdout.read()

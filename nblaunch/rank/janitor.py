@@ -10,7 +10,7 @@ second and, when the rank is gone, kills the rank's process group and every
 process it noted. The rank holds the write end of a pipe whose read end is
 the janitor's: end of file means the rank is gone.
 
-    python -m nblaunch.janitor <rank pid> <pipe fd>
+    python -m nblaunch.rank.janitor <rank pid> <pipe fd>
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from .errors import LaunchError, RankFailure, from_record, to_record
+from ..errors import LaunchError, RankFailure, from_record, to_record
 
 __all__ = ["Placement", "SingleNode", "NodeGroup", "host_store", "route_address"]
 
