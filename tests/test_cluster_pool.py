@@ -11,7 +11,7 @@ import pytest
 
 from nblaunch.wire import link
 from nblaunch.wire.channel import RELEASE, Started
-from nblaunch.engines.agents import AgentPool
+from nblaunch.engines.agent_pool import AgentPool
 from nblaunch.config import LaunchConfig
 from nblaunch.engines.pool import Exited, Lines, Lost, Message
 

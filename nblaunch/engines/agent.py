@@ -84,7 +84,7 @@ class _Agent:
         self._sampler = None
 
     def run(self) -> int:
-        from .pool import LocalPool
+        from .local import LocalPool
 
         while True:
             try:

@@ -1,0 +1,396 @@
+"""A rank pool whose ranks run on the nodes of a cluster engine (SLURM, Ray).
+
+The engine starts one agent per node (:mod:`nblaunch.engines.agent`); each agent
+starts its node's ranks and relays between them and this pool over the
+authenticated channel (:mod:`nblaunch.wire.link`). To the call watch this is a
+rank pool like any other: ranks are numbered ``0..world_size-1`` (node
+``i`` holds ``i * num_processes`` on), every rank's output, events and exit
+arrive through :meth:`AgentPool.poll`, and the verbs go to the agent of the
+rank's node. A node whose agent's connection closes, or that the engine
+ended, is a :class:`~nblaunch.engines.pool.Lost` for each of its ranks still up.
+
+The kernel hosts the ranks' TCPStore on the address it uses to reach the
+nodes, and the agents' listener beside it; both exist only as long as the
+pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional
+
+from ..wire import link
+from ..wire.channel import RELEASE, Started
+from ..errors import LaunchError
+from ..logs import new_launch_dir, release_launch_dir
+from .nodes import Placement, host_store, route_address
+from ..wire.modules import local_sources
+from ..wire.payload import CloudJob, PackedJob
+from .plan import resolve_backend
+from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
+
+__all__ = ["AgentPool"]
+
+AGENTS_START_S = 300.0  # srun to every agent connected (they import torch first)
+REPLY_WAIT_S = 10.0  # an agent's answer (stacks take up to ~1 s)
+
+
+@dataclass
+class _Node:
+    """A node, as the kernel knows it: its agent's connection and what it said."""
+
+    node: int
+    name: str
+    conn: Connection
+    open: bool = True
+    started: bool = False  # its ranks are started
+    why: str = ""  # why it ended, when it said
+
+
+@dataclass
+class _Rank:
+    exited: bool = False
+    started: bool = False
+    tail: list = field(default_factory=list)
+    log: Any = None
+
+
+class AgentPool(RankPool):
+    """``engine.num_nodes`` nodes of ``config.num_processes`` ranks each.
+
+    ``job`` is a launch's one call (a ``payload.CloudJob``; None for live
+    ranks, whose calls come by ``send``)."""
+
+    def __init__(self, config, engine, job: Any = None, attempt: int = 0, live: bool = False, pg_timeout: float = 1800.0):
+        # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
+        if isinstance(job, CloudJob):
+            job = PackedJob(job.pack(sharing=False))
+        self._config, self._engine, self._job, self._attempt, self._live = config, engine, job, attempt, live
+        self._pg_timeout = pg_timeout
+        self.per_node = config.num_processes
+        self.size = engine.num_nodes * self.per_node
+        self.log_dir, self.notice = new_launch_dir()
+        self._ranks = [_Rank() for _ in range(self.size)]
+        self._agents: list[_Node] = []
+        self._buffer: list = []  # events read while waiting for an answer, for the next poll
+        self._replies: dict[int, Any] = {}
+        self._usage: dict = {}
+        self._ids = itertools.count(1)
+        self._listener: Optional[link.Listener] = None
+        self._step = None  # the engine's handle on the agents (poll, output, end)
+        self._store = None
+        self._closed = False
+        self.backend: Optional[str] = None  # decided at start, from every node's GPUs
+
+    # -- starting ----------------------------------------------------------------
+
+    def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
+        engine = self._engine
+        # The kernel's address on the nodes' network (master_addr: the user's choice of it).
+        host = self._config.master_addr or route_address(engine.reach, 1)
+        secret = link.new_secret()
+        self._listener = link.Listener(host, secret)
+        lhost, lport = self._listener.address
+        self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
+                                         str(self.log_dir / "agents.log"))
+        hellos = self._gather(tick)
+        backend = self.backend = self._backend(hellos)
+        self._store, port = host_store(lhost, self.size, self._pg_timeout)
+        for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
+            rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
+        sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
+        for agent, hello in zip(self._agents, hellos):
+            placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
+            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": self._job,
+                                         "placement": placement, "node_addr": hello["addr"], "backend": backend,
+                                         "attempt": self._attempt, "modules": sources}))  # False: gone, said below
+        waiting = {a.node for a in self._agents}
+        deadline = time.monotonic() + AGENTS_START_S
+        while waiting:
+            for item in self._read(0.1):
+                self._buffer.append(item)
+            waiting -= {a.node for a in self._agents if a.started}
+            gone = [a for a in self._agents if not a.open and not a.started]
+            if gone:
+                raise LaunchError(f"the agent on node {gone[0].node} ({gone[0].name}) ended before it started its "
+                                  f"ranks; the agents' output:\n{self._agents_log()}")
+            self._check_step(deadline, "start their ranks")
+            tick()
+        self.placement = Placement(0, len(self._agents), self.per_node, lhost, port)
+        return self.placement
+
+    def _gather(self, tick: Callable[[], None]) -> list[dict]:
+        """Every node's agent connected and authenticated, in node order."""
+        deadline = time.monotonic() + AGENTS_START_S
+        got: dict[int, tuple] = {}
+        while len(got) < self._engine.num_nodes:
+            item = self._listener.get(0.1)
+            if item is not None:
+                conn, hello = item
+                if not isinstance(hello, dict) or hello.get("node") in got:
+                    conn.close()
+                    continue
+                got[hello["node"]] = (conn, hello)
+            self._check_step(deadline, "connect")
+            tick()
+        self._listener.close()  # every agent is in: the port closes
+        self._agents = [_Node(n, got[n][1]["name"], got[n][0]) for n in sorted(got)]
+        return [got[n][1] for n in sorted(got)]
+
+    def _check_step(self, deadline: float, what: str) -> None:
+        code = self._step.poll()
+        if code is not None:
+            raise LaunchError(f"the agents ({self._step.what}) ended (code {code}) before every node's agent could "
+                              f"{what}; their output:\n{self._agents_log()}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the nodes' agents did not {what} within {AGENTS_START_S:.0f} s; their output:\n"
+                              f"{self._agents_log()}")
+
+    def _engine_news(self) -> str:
+        """What the engine said when an agent vanished without a word (a
+        cancelled step's agents get SIGKILL: srun then reports it)."""
+        return self._step.news() if self._step is not None else ""
+
+    def _agents_log(self) -> str:
+        text = self._step.output() if self._step is not None else ""
+        return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
+
+    def _backend(self, hellos: list[dict]) -> Optional[str]:
+        """The process group's backend, by the rule a single machine uses, for
+        the node with the fewest GPUs."""
+        c = self._config
+        if not c.init_process_group:
+            return None
+        try:
+            return resolve_backend(c.backend, self.per_node, min(h["gpus"] for h in hellos),
+                                   all(h.get("nccl", False) for h in hellos), where="on the node with the fewest")
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+
+    # -- reading -----------------------------------------------------------------
+
+    def poll(self, timeout: float) -> list:
+        out, self._buffer = self._buffer, []
+        out += self._read(0 if out else timeout)
+        return out
+
+    def _read(self, timeout: float, only: Optional[_Node] = None) -> list:
+        agents = [a for a in ([only] if only else self._agents) if a.open]
+        out: list = []
+        if not agents:
+            time.sleep(timeout)
+            return out
+        by_conn = {a.conn: a for a in agents}
+        for conn in wait(list(by_conn), timeout=timeout):
+            agent = by_conn[conn]
+            while agent.open and conn.poll(0):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._lose(agent, out)
+                    break
+                self._take(agent, message, out)
+        return out
+
+    def _take(self, agent: _Node, message: tuple, out: list) -> None:
+        kind, *args = message
+        first = agent.node * self.per_node
+        if kind == "events":
+            for item in args[0]:
+                item = _renumber(item, first + item.rank)
+                rank = self._ranks[item.rank]
+                if isinstance(item, Lines):
+                    rank.tail = (rank.tail + item.lines)[-TAIL_LINES:]
+                    if rank.log is not None:
+                        rank.log.write("".join(line + "\n" for line in item.lines))
+                elif isinstance(item, Message) and isinstance(item.event, Started):
+                    rank.started = True
+                elif isinstance(item, Exited):
+                    rank.exited = True
+                out.append(item)
+        elif kind == "reply":
+            self._replies[args[0]] = args[1]
+        elif kind == "usage":
+            self._usage.update({first + local: u for local, u in args[0].items()})
+        elif kind == "started":
+            agent.started = True
+        elif kind == "bye":  # the engine is ending this node: that, not its ranks' deaths, is the news
+            agent.why = args[0]
+            for r in range(first, first + self.per_node):
+                if not self._ranks[r].exited:
+                    out.append(Lost(r, f"({agent.name}) {agent.why}"))
+
+    def _lose(self, agent: _Node, out: list) -> None:
+        """The agent's connection closed: each of its ranks still up is lost."""
+        agent.open = False
+        agent.conn.close()
+        why = f"({agent.name}) {agent.why or self._engine_news() or 'was lost: its agent connection closed'}"
+        first = agent.node * self.per_node
+        for r in range(first, first + self.per_node):
+            if not self._ranks[r].exited:
+                self._ranks[r].exited = True
+                out += [Lost(r, why), Exited(r, -signal.SIGKILL)]
+
+    # -- telling -----------------------------------------------------------------
+
+    def _agent_of(self, rank: int) -> _Node:
+        return self._agents[rank // self.per_node]
+
+    def _tell(self, agent: _Node, message: tuple) -> bool:
+        if not agent.open:
+            return False
+        try:
+            agent.conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _by_node(self, ranks) -> dict:
+        """Node -> its local ranks among ``ranks`` (nodes whose agent never connected left out)."""
+        groups: dict = {}
+        for r in ranks:
+            if r // self.per_node >= len(self._agents):
+                continue
+            groups.setdefault(r // self.per_node, []).append(r % self.per_node)
+        return groups
+
+    def send(self, rank: int, message: Any) -> bool:
+        if message == RELEASE:
+            return True  # the agent released the rank when it fetched the result
+        if rank // self.per_node >= len(self._agents):
+            return False
+        return self._tell(self._agent_of(rank), ("send", rank % self.per_node, message))
+
+    def signal(self, sig: int, ranks: list[int]) -> None:
+        for node, locals_ in self._by_node(ranks).items():
+            self._tell(self._agents[node], ("signal", sig, locals_))
+
+    def kill_orphans(self) -> None:
+        for agent in self._agents:
+            self._tell(agent, ("kill_orphans",))
+
+    def interrupt(self, rank: int, how: str) -> None:
+        if rank // self.per_node < len(self._agents):
+            self._tell(self._agent_of(rank), ("interrupt", rank % self.per_node, how))
+
+    def _ask(self, node: int, verb: str, *args) -> Any:
+        """An agent's answer; what else it sends meanwhile is kept for the next poll."""
+        agent, rid = self._agents[node], next(self._ids)
+        if not self._tell(agent, (verb, rid, *args)):
+            return None
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while rid not in self._replies and agent.open and time.monotonic() < deadline:
+            self._buffer += self._read(0.1, only=agent)
+        return self._replies.pop(rid, None)
+
+    # -- looking -----------------------------------------------------------------
+
+    def stacks(self, ranks: Optional[list[int]] = None) -> str:
+        texts = []
+        for node, locals_ in self._by_node(range(self.size) if ranks is None else ranks).items():
+            text = self._ask(node, "stacks", locals_)
+            agent = self._agents[node]
+            texts.append(f"node {node} ({agent.name}):\n" + (text if text is not None else "  (its agent did not answer)"))
+        return "\n".join(texts) or "  (no rank was running)"
+
+    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
+        found: dict = {}
+        for node, locals_ in self._by_node(ranks).items():
+            found.update(self._ask(node, "collectives", locals_) or {})
+        return found
+
+    def global_rank(self, rank: int) -> int:
+        return rank
+
+    def node(self, rank: int) -> Optional[int]:
+        return rank // self.per_node
+
+    def host(self, rank: int) -> Optional[str]:
+        return self._agents[rank // self.per_node].name if self._agents else None
+
+    def exited(self, rank: int) -> bool:
+        return self._ranks[rank].exited
+
+    def ended(self, rank: int) -> bool:
+        return self._ranks[rank].exited
+
+    def alive(self, rank: int) -> bool:
+        return not self._ranks[rank].exited and bool(self._agents) and self._agent_of(rank).open
+
+    def started(self, rank: int) -> bool:
+        return self._ranks[rank].started
+
+    def running_pids(self) -> dict[int, int]:
+        return {}  # on other machines: their agents sample them (usage)
+
+    def gpu_devices(self) -> dict:
+        return {}  # each node's agent samples its own
+
+    def usage(self, sampler) -> Optional[dict]:
+        usage, self._usage = self._usage, {}
+        return usage or None
+
+    def tail(self, rank: int) -> tuple:
+        return tuple(self._ranks[rank].tail)
+
+    # -- ending ------------------------------------------------------------------
+
+    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
+        everyone = list(range(self.size)) if order is None else order
+        for node, locals_ in self._by_node(everyone).items():
+            self._tell(self._agents[node], ("stop", grace, locals_))
+        self.wait(grace + TEARDOWN_WAIT_S)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._up() and time.monotonic() < deadline:
+            self._buffer += self._read(0.05)
+        return not self._up()
+
+    def _up(self) -> list[int]:
+        """Ranks that may still run: not exited, on a node whose agent is connected."""
+        return [r for r, rank in enumerate(self._ranks) if not rank.exited
+                and r // self.per_node < len(self._agents) and self._agents[r // self.per_node].open]
+
+    def drain(self) -> list:
+        for node, agent in enumerate(self._agents):
+            if agent.open:
+                self._ask(node, "drain")
+        out, self._buffer = self._buffer, []
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+            for agent in self._agents:
+                self._tell(agent, ("close",))
+            deadline = time.monotonic() + TEARDOWN_WAIT_S * 2
+            for agent in self._agents:
+                while agent.open and time.monotonic() < deadline:
+                    self._read(0.05, only=agent)
+        finally:
+            for agent in self._agents:
+                agent.conn.close()
+            if self._listener is not None:
+                self._listener.close()
+            self._store = None
+            if self._step is not None:
+                self._step.end(TEARDOWN_WAIT_S)
+            for rank in self._ranks:
+                if rank.log is not None:
+                    rank.log.close()
+            release_launch_dir(self.log_dir)
+
+
+def _renumber(item: Any, rank: int) -> Any:
+    """A node's event, with the rank's number in the whole job (its events carry it too)."""
+    if isinstance(item, Message) and hasattr(item.event, "rank"):
+        return Message(rank, dataclasses.replace(item.event, rank=rank))
+    return dataclasses.replace(item, rank=rank)

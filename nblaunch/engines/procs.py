@@ -1,0 +1,138 @@
+"""The kernel's hands on local rank processes: the one thread that starts
+them (:class:`Starter`), signalling a rank with everything it started, and
+reading a rank's pipe without a half-read message on an interrupt.
+
+Ranks are *started* from a helper thread, one per kernel. A forked child's
+main thread is a copy of the thread that forked it, and GNU OpenMP keeps its
+worker pool per thread: forking from a thread that never ran a parallel
+region gives the child a clean pool, so a kernel that already ran
+``torch.randn(n).sum()`` cannot hang the ranks. The helper thread lives as
+long as the kernel because Linux sends the ranks' parent-death signal when
+the *thread* that forked them ends. On Linux, forked ranks come from one
+:class:`~nblaunch.engines.zygote.Zygote` per generation, which that thread
+forks (see :mod:`nblaunch.engines.zygote` for why).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Optional
+
+import psutil
+
+__all__ = ["Starter", "InterruptsDeferred", "signal_tree", "write_atomically", "is_running"]
+
+
+class InterruptsDeferred:
+    """Within the block, SIGINT (the kernel's interrupt) is noted instead of
+    raised, and raised as ``KeyboardInterrupt`` (through the handler that was
+    there) when the block ends. Only the main thread receives signals, so
+    elsewhere this does nothing."""
+
+    def __enter__(self):
+        self._previous, self._pending = None, False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._pending = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        if self._pending:
+            self._previous(signal.SIGINT, None)
+
+
+class Starter:
+    """The one thread of this kernel that starts ranks, for every launch.
+
+    A thread, not the cell's: a forked child is a copy of the thread that
+    forked it, and this one never runs OpenMP (see the module doc). One for
+    the kernel's lifetime, not one per launch: the ranks' parent-death
+    signal follows the thread that forked them, so it must outlive them,
+    and ipykernel keeps a socket for every thread that ever flushed its
+    streams (multiprocessing flushes them on each start): a thread per
+    launch leaked one per launch.
+    """
+
+    _current: Optional["Starter"] = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        import queue
+
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="nblaunch-starter", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "Starter":
+        with cls._lock:
+            if cls._current is None:
+                cls._current = cls()
+            return cls._current
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((fn, done))
+        return done
+
+    def wedged(self) -> None:
+        """A start did not finish in time: Python's spawn writes the job
+        into a pipe while it holds the read end itself, so a rank killed
+        before reading a job larger than the pipe leaves that write blocked
+        for good (jobs are kept small for this). The next launch gets a new
+        thread rather than queueing behind this one."""
+        with self._lock:
+            if Starter._current is self:
+                Starter._current = None
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - this thread must outlive any one job
+                print(f"[nblaunch] a job of the thread that starts ranks failed: {exc!r}", file=sys.stderr)
+            finally:
+                done.set()
+
+
+def signal_tree(pid: int, sig: int, seen: Optional[dict] = None) -> None:
+    """Signal a rank and every process it started (DataLoader workers...),
+    noting each in ``seen`` (pid -> psutil.Process)."""
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for proc in reversed(procs):
+        if seen is not None:
+            seen.setdefault(proc.pid, proc)
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def is_running(pid: int) -> bool:
+    # A killed rank shows as a zombie a moment before waitpid can reap it
+    # (its other threads are still exiting).
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
