@@ -7,11 +7,13 @@ import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .. import procid
 from ..rank import env as rank_env
-from ..config import LaunchConfig
+
+if TYPE_CHECKING:  # the config reaches a plan whole; importing it here would close a circle
+    from ..config import LaunchConfig
 
 __all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for"]
 
