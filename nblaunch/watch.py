@@ -30,7 +30,8 @@ from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_d
                      render_interrupt)
 from .engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
 from .resources import Sampler
-from .rank.worker import max_result_bytes
+from .stalls import Stalls
+from .rank.results import max_result_bytes
 
 __all__ = ["CallWatch", "Stalls"]
 
@@ -48,7 +49,7 @@ LEFT_GRACE_S = 3.0
 LEFT_RECHECK_MAX_S = 30.0
 INTERRUPT_GRACE_S = 2.0  # live ranks: interrupt -> every rank idle again, or the ranks are given up
 # The stop button in a loop with a bar: the ranks stop together at an agreed
-# step (worker._CallInterrupt); this is how long they get to reach it.
+# step (rank.interrupts.CallInterrupt); this is how long they get to reach it.
 STEP_STOP_WAIT_S = 20.0
 TICK_S = 0.1
 _NO_RESULT = object()
@@ -70,39 +71,6 @@ class _Part:
     @property
     def done(self) -> bool:
         return self.result is not _NO_RESULT or self.failure is not None
-
-
-class Stalls:
-    """Which ranks' progress stands still while others move: a rule on
-    times, fed by progress reports; no process needed to test it."""
-
-    def __init__(self, after_s: Optional[float]):
-        self.after_s = after_s
-        self._last: dict[int, tuple[float, str]] = {}  # rank -> (when it last moved, where)
-        self._bars: dict[tuple[int, str], tuple] = {}
-        self._warned: set[int] = set()
-
-    def moved(self, rank: int, key: str, n: float, total: Optional[float], desc: str, now: float) -> None:
-        if self._bars.get((rank, key)) != (n, total):
-            self._bars[(rank, key)] = (n, total)
-            step = f"{n:g}/{total:g}" if total else f"{n:g}"
-            self._last[rank] = (now, f"{desc + ' ' if desc else ''}{step}")
-
-    def check(self, now: float, running: set[int], label: Callable[[int], int] = lambda r: r) -> list[str]:
-        """Notices for ranks that just stalled (once each, until they move again)."""
-        if not self.after_s:
-            return []
-        moving = [r for r, (t, _) in sorted(self._last.items()) if now - t < self.after_s]
-        notices = []
-        for rank, (t, where) in sorted(self._last.items()):
-            if now - t >= self.after_s and rank in running:
-                if moving and rank not in self._warned:
-                    self._warned.add(rank)
-                    notices.append(f"rank {label(rank)} has made no progress for {now - t:.0f} s (last at {where}) "
-                                   f"while ranks {', '.join(str(label(r)) for r in moving)} moved on")
-            else:
-                self._warned.discard(rank)
-        return notices
 
 
 class CallWatch:
@@ -372,7 +340,7 @@ class CallWatch:
     # -- interrupts (live ranks) -------------------------------------------------------
 
     def _interrupt(self, at_a_step: bool = False) -> None:
-        how = f"{self.call} at a step" if at_a_step else str(self.call)  # see worker._CallInterrupt
+        how = f"{self.call} at a step" if at_a_step else str(self.call)  # see rank.interrupts.CallInterrupt
         for r in self._in_call():
             self._parts[r].interrupted = True
             self._pool.interrupt(r, how)

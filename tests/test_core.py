@@ -19,7 +19,8 @@ from nblaunch.view import TextDisplay
 from nblaunch.errors import LaunchTimeout, WorkerError
 from nblaunch.engines.nodes import Placement
 from nblaunch.engines.pool import Exited, Lines, Message, RankPool
-from nblaunch.watch import CallWatch, Stalls
+from nblaunch.stalls import Stalls
+from nblaunch.watch import CallWatch
 
 PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
 

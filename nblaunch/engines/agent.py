@@ -84,7 +84,7 @@ class _Agent:
         self._sampler = None
 
     def run(self) -> int:
-        from .local import LocalPool
+        from .local_pool import LocalPool
 
         while True:
             try:

@@ -13,7 +13,7 @@ from typing import Optional
 from .. import errors
 from ..errors import RankFailure
 from .nodes import NodeGroup
-from .local import LocalPool
+from .local_pool import LocalPool
 from .local import LocalEngine
 
 __all__ = ["ElasticEngine", "ElasticPool"]

@@ -1,0 +1,383 @@
+"""The local engine's rank pool: a generation of rank processes on this
+machine, started by ``plan.ctx`` (fork through one zygote process per
+generation, forkserver or spawn) from the kernel's starter thread
+(:mod:`nblaunch.engines.procs`), placed in the job by its nodes
+(:mod:`nblaunch.engines.nodes`), read through their pipes."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional
+
+import psutil
+
+from ..errors import LaunchError
+from ..logs import new_launch_dir, release_launch_dir
+from ..rank.stacks import collect, collectives, format_stacks
+from ..rank.worker import WorkerSpec, run_worker
+from ..wire.channel import Started, decode
+from .nodes import Nodes, Placement
+from .output import RankOutput
+from .pool import TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankPool
+from .procs import InterruptsDeferred, Starter, is_running, signal_tree, write_atomically
+from .zygote import Zygote, usable as zygote_usable
+
+__all__ = ["LocalPool"]
+
+
+@dataclass
+class _Proc:
+    spec: WorkerSpec
+    proc: Any
+    go: Connection
+    events: Connection
+    output: RankOutput
+    global_rank: int = -1
+    node: Optional[int] = None  # set in a multi-node launch
+    exited: bool = False
+    started: bool = False
+    # Every process of its tree nblaunch has seen: a child that outlives
+    # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
+    tree: dict = field(default_factory=dict)
+    events_open: bool = True
+
+
+class LocalPool(RankPool):
+    """Ranks started on this machine by ``plan.ctx`` (fork, forkserver, spawn).
+
+    ``job`` is the launch's one call, given at start (the ranks of a live
+    session get theirs over the control pipe instead: None). ``nodes`` places
+    this node's ranks in the job (:mod:`nblaunch.engines.nodes`); ``attempt`` counts
+    restarts."""
+
+    def __init__(self, plan, nodes: Nodes, job: Any = None, attempt: int = 0):
+        self._nodes = nodes
+        self._attempt = attempt
+        self.log_dir, self.notice = new_launch_dir()
+        base = plan.specs_base
+        self.size = base["local_world_size"]
+        self._release = threading.Event()  # set: start no more ranks
+        self._started = threading.Event()  # set: the starter has started every rank
+        self._starter: Optional[Starter] = None
+        self._closed = False
+        self._procs: list[_Proc] = []
+        self._child_ends: list[Connection] = []
+        self._rank_ends: list[tuple] = []  # each rank's (go, events, output) ends
+        self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
+        self._zygote: Optional[Zygote] = None
+        forks_by_zygote = zygote_usable(plan.method)
+        try:
+            for local in range(self.size):
+                self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
+            if forks_by_zygote:
+                kernel_ends = [end for end in self._ends if end not in self._child_ends]
+                self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
+                                                 zip(self._procs, self._rank_ends)], kernel_ends)
+                for p, forked in zip(self._procs, self._zygote.ranks):
+                    p.proc = forked
+        except BaseException:  # an interrupt while the pipes are made: none is left open
+            self._close_pipes()
+            release_launch_dir(self.log_dir)
+            raise
+
+    def _make_rank(self, plan, local: int, job: Any, attempt: int, own_process: bool) -> None:
+        """The rank's spec and pipes; its ``multiprocessing.Process`` when
+        ``own_process`` (else the zygote's, set once every rank is made)."""
+        base, ctx = plan.specs_base, plan.ctx
+        spec = WorkerSpec(rank=local, local_rank=local, restart_count=attempt,
+                          stack_file=str(self.log_dir / f"local{local}.stacks"),
+                          interrupt_file=str(self.log_dir / f"local{local}.interrupt") if base["live"] else "",
+                          **base)
+        ends: list = []
+        try:
+            for _ in range(3):
+                ends += ctx.Pipe(duplex=False)
+        finally:
+            # Every end made is closed by close(), whatever happens next: an
+            # interrupt before this rank is recorded leaked its 3 kernel ends.
+            self._ends += ends
+        go_r, go_w, ev_r, ev_w, out_r, out_w = ends
+        self._child_ends += [go_r, ev_w, out_w]
+        self._rank_ends.append((go_r, ev_w, out_w))
+        proc = None if not own_process else ctx.Process(
+            target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
+        self._procs.append(_Proc(spec, proc, go_w, ev_r, RankOutput(local, out_r)))
+
+    # -- starting ----------------------------------------------------------------
+
+    def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
+        errors: list[BaseException] = []
+
+        def start_all() -> None:
+            try:
+                if self._zygote is not None:
+                    if not self._release.is_set():
+                        self._zygote.start()
+                    return
+                for p in self._procs:
+                    if self._release.is_set():  # interrupted: start no more
+                        break
+                    p.proc.start()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
+                errors.append(exc)
+
+        self._starter = Starter.get()
+        self._started = self._starter.submit(start_all)
+        while not self._started.wait(0.1):
+            pass
+        for end in self._child_ends:
+            end.close()
+        if errors:
+            raise LaunchError(f"could not start the ranks: {errors[0]!r}") from errors[0]
+        # Only now, with every fork done, may the kernel run a store's
+        # server thread: a fork while that thread holds a libc lock (its
+        # getnameinfo on accept) hands the child a lock no one will release.
+        pl = self.placement = self._join(tick)
+        multi = pl.num_nodes > 1
+        for p in self._procs:
+            p.global_rank = pl.first_rank + p.spec.local_rank
+            p.node = pl.node_rank if multi else None
+            # On disk as it arrives: a killed kernel keeps every line.
+            p.output.log = open(self.log_dir / f"rank{p.global_rank}.log", "wb", buffering=0)
+            self.send(p.spec.local_rank, {
+                "rank": p.global_rank, "world_size": pl.world_size, "group_rank": pl.node_rank,
+                "num_nodes": pl.num_nodes, "master_addr": pl.master_addr, "master_port": pl.master_port,
+                "restart_count": self._attempt})
+        return pl
+
+    def _join(self, tick: Callable[[], None]) -> Placement:
+        """``nodes.join`` in a helper thread, so that the cell's thread stays
+        interruptible (and the view alive) while the nodes gather."""
+        if self._nodes.num_nodes == 1:
+            return self._nodes.join(self._attempt)  # hosts a store: nothing to wait for
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["placement"] = self._nodes.join(self._attempt)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="nblaunch-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            tick()
+        if "error" in box:
+            raise box["error"]
+        return box["placement"]
+
+    # -- reading -----------------------------------------------------------------
+
+    def poll(self, timeout: float, also: tuple = ()) -> list[PoolEvent]:
+        """What happened within ``timeout``; ``also``: more handles whose
+        readiness ends the wait (a node agent's connection to the kernel)."""
+        handles: dict[Any, tuple[_Proc, Callable]] = {}
+        for p in self._procs:
+            if p.exited or p.proc.pid is None:
+                continue
+            if p.events_open:
+                handles[p.events] = (p, self._read_events)
+            if p.output.open:
+                handles[p.output.conn] = (p, lambda p, out: p.output.read(out))
+            handles[p.proc.sentinel] = (p, self._read_exit)
+        out: list[PoolEvent] = []
+        if not handles and not also:
+            time.sleep(timeout)
+            return out
+        for ready in wait(list(handles) + list(also), timeout=timeout):
+            if ready not in handles:
+                continue
+            p, read = handles[ready]
+            if not p.exited:
+                read(p, out)
+        return out
+
+    def _read_events(self, p: _Proc, out: list) -> None:
+        while p.events_open and p.events.poll(0):
+            # The stop button's KeyboardInterrupt waits until the message is
+            # read whole: one landing between a message's length and its
+            # body would leave the rest of the rank's stream unreadable
+            # (seen on live ranks: a rank's report lost after an interrupt).
+            with InterruptsDeferred():
+                try:
+                    event = decode(p.events.recv_bytes())
+                except (EOFError, OSError):
+                    p.events_open = False
+                    return
+            if isinstance(event, Started):
+                p.started = True
+            out.append(Message(p.spec.local_rank, event))
+
+    def _read_exit(self, p: _Proc, out: list) -> None:
+        p.proc.join()
+        self._read_events(p, out)
+        p.output.read(out, max_reads=None)
+        if p.output.open:
+            p.output.end(out)
+        p.exited = True
+        out.append(Exited(p.spec.local_rank, p.proc.exitcode))
+
+    # -- telling -----------------------------------------------------------------
+
+    def send(self, rank: int, message: Any) -> bool:
+        try:
+            self._procs[rank].go.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def signal(self, sig: int, ranks: list[int]) -> None:
+        for rank in ranks:
+            p = self._procs[rank]
+            # exitcode reaps a rank that died on its own: its death is its own failure.
+            if p.exited or p.proc.pid is None or p.proc.exitcode is not None:
+                continue
+            signal_tree(p.proc.pid, sig, p.tree)
+
+    def kill_orphans(self) -> None:
+        """What a killed rank left behind (children that outlived SIGTERM)."""
+        for p in self._procs:
+            for proc in p.tree.values():
+                try:
+                    proc.kill()  # psutil checks the pid still names the same process
+                except psutil.Error:
+                    pass
+
+    def interrupt(self, rank: int, how: str) -> None:
+        p = self._procs[rank]
+        try:
+            write_atomically(p.spec.interrupt_file, how)
+            os.kill(p.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
+        except (OSError, TypeError):
+            pass
+
+    # -- looking -----------------------------------------------------------------
+
+    def stacks(self, ranks: Optional[list[int]] = None) -> str:
+        """Only ranks that reported ``Started`` are asked (their handler is
+        armed): one still starting would not answer, and waiting for it
+        would delay an early interrupt by the whole answer time."""
+        chosen = [self._procs[r] for r in (range(self.size) if ranks is None else ranks)]
+
+        def label(p: _Proc) -> int:
+            return p.global_rank if p.global_rank >= 0 else p.spec.local_rank
+
+        live = {label(p): (p.proc.pid, p.spec.stack_file) for p in chosen
+                if p.started and not p.exited and p.proc.pid is not None and p.spec.stack_file}
+        starting = [label(p) for p in chosen if not p.started and not p.exited]
+        text = format_stacks(collect(live), live) if live else ""
+        if starting:
+            text += ("\n" if text else "") + "".join(
+                f"  rank {rank}: still starting (fn not called yet)\n" for rank in starting).rstrip("\n")
+        return text or "  (no rank was running)"
+
+    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
+        live = {self._procs[r].global_rank: (self._procs[r].proc.pid, self._procs[r].spec.stack_file)
+                for r in ranks}
+        return collectives(collect(live), live)
+
+    def global_rank(self, rank: int) -> int:
+        return self._procs[rank].global_rank
+
+    def node(self, rank: int) -> Optional[int]:
+        return self._procs[rank].node
+
+    def exited(self, rank: int) -> bool:
+        return self._procs[rank].exited
+
+    def ended(self, rank: int) -> bool:
+        p = self._procs[rank]
+        if p.exited or p.proc.pid is None:
+            return p.exited
+        # exitcode reaps a child of this process; a rank the zygote forked may
+        # be dead and not yet reaped (and so heard of) by it.
+        return p.proc.exitcode is not None or not is_running(p.proc.pid)
+
+    def alive(self, rank: int) -> bool:
+        p = self._procs[rank]
+        return p.proc.pid is not None and p.proc.exitcode is None and is_running(p.proc.pid)
+
+    def started(self, rank: int) -> bool:
+        return self._procs[rank].started
+
+    def running_pids(self) -> dict[int, int]:
+        return {p.spec.local_rank: p.proc.pid for p in self._procs
+                if p.started and not p.exited and p.proc.pid is not None}
+
+    def tail(self, rank: int) -> tuple:
+        return tuple(self._procs[rank].output.tail)
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [p.proc.pid for p in self._procs]
+
+    # -- ending ------------------------------------------------------------------
+
+    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
+        if self._starter is None:
+            return
+        everyone = list(range(self.size)) if order is None else order
+        self.signal(signal.SIGTERM, everyone)
+        self.wait(grace)
+        self.signal(signal.SIGKILL, everyone)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            if p.proc.pid is not None:
+                p.proc.join(max(0.0, deadline - time.monotonic()))
+        return all(p.proc.pid is None or p.proc.exitcode is not None for p in self._procs)
+
+    def drain(self) -> list[PoolEvent]:
+        """Once every rank is stopped: what they printed last (to their logs,
+        and returned for the view)."""
+        out: list[PoolEvent] = []
+        if self._starter is not None:
+            self._release.set()  # no more starts ...
+            if not self._started.wait(TEARDOWN_WAIT_S):  # ... and none in flight
+                self._starter.wedged()
+        for p in self._procs:
+            if p.proc.pid is not None and p.proc.exitcode is None:
+                signal_tree(p.proc.pid, signal.SIGKILL, p.tree)
+                p.proc.join(TEARDOWN_WAIT_S)
+        self.kill_orphans()
+        for p in self._procs:
+            if p.output.open:
+                p.output.read(out, max_reads=64)
+                p.output.end(out)
+                p.output.open = False
+        return out
+
+    def _close_pipes(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()  # closes its ranks' sentinels too
+            # Reaped on the thread that forked it, which makes every other
+            # child of this kernel's launches too (no two waits for one pid).
+            if self._starter is not None:
+                self._starter.submit(self._zygote.reap)
+            else:
+                self._zygote.reap()
+        for p in self._procs:
+            if p.proc is not None and p.proc.pid is not None and p.proc.exitcode is not None:
+                p.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it
+            p.go.close()
+            p.events.close()
+            p.output.close()
+        for end in self._ends:
+            end.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self._release.set()
+            self._close_pipes()
+            release_launch_dir(self.log_dir)
