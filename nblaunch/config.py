@@ -201,7 +201,7 @@ def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]
 
 def _check_settings(addr: str) -> None:
     """What would otherwise fail only inside the ranks, after fn ran."""
-    from .rank.worker import max_result_bytes
+    from .rank.results import max_result_bytes
 
     try:
         max_result_bytes()

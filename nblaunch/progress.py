@@ -217,7 +217,7 @@ def stop_at_a_step(agreement) -> bool:
     loop with a bar. Nothing is done here but note the request (a signal
     handler may run inside a Python callback of a C++ call, such as
     ``backward``); from the next step on, ``agreement()`` is asked for this
-    rank's count and the agreed step (see ``worker._StepAgreement``)."""
+    rank's count and the agreed step (see ``rank.interrupts.StepAgreement``)."""
     global _agreement
     if _steps == 0:
         return False

@@ -182,9 +182,9 @@ def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
     import time
 
     from nblaunch import LaunchError
-    from nblaunch.rank import worker
+    from nblaunch.rank import setup as rank_setup
 
-    monkeypatch.setattr(worker, "prepare_for_ranks", lambda spec: os._exit(3))
+    monkeypatch.setattr(rank_setup, "prepare_for_ranks", lambda spec: os._exit(3))
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(LaunchError, match=r"could not start local rank 0 \(it ended with code 3\)"):
         notebook_launcher(said_nothing, num_processes=2, start_method="fork", display="none")

@@ -3,7 +3,7 @@
 A pool starts its ranks, reads what they send (events, output, their exit),
 signals them and closes them. It knows nothing of calls, results or the
 view: :class:`~nblaunch.watch.CallWatch` reads :meth:`RankPool.poll` and
-decides. Each engine makes its own kind (:class:`~nblaunch.engines.local.LocalPool`:
+decides. Each engine makes its own kind (:class:`~nblaunch.engines.local_pool.LocalPool`:
 ranks on this machine; :class:`~nblaunch.engines.agent_pool.AgentPool`:
 ranks on a cluster's nodes through their agents).
 """
@@ -134,7 +134,7 @@ class RankPool(abc.ABC):
 
     @abc.abstractmethod
     def interrupt(self, rank: int, how: str) -> None:
-        """A live rank's SIGINT, for the call it is on (``how``: see ``worker._CallInterrupt``)."""
+        """A live rank's SIGINT, for the call it is on (``how``: see ``rank.interrupts.CallInterrupt``)."""
 
     @abc.abstractmethod
     def stacks(self, ranks: Optional[list[int]] = None) -> str:

@@ -7,7 +7,7 @@ rank's pipe, the library shims, and the first run of any inherited code
 Measured per rank: about 1.7 MiB of the kernel's pages copied by that alone.
 So a fork-started generation's ranks are forked from one process, the
 *zygote* (as Android and Chromium name theirs): a copy of the kernel that
-does that work once (:func:`nblaunch.rank.worker.prepare_for_ranks`) and then
+does that work once (:func:`nblaunch.rank.setup.prepare_for_ranks`) and then
 forks each rank, which shares those pages with it. The pages the kernel
 itself writes while its ranks run are likewise copied once, by the zygote,
 rather than once per rank.
@@ -33,7 +33,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from .. import linux
-from ..rank import worker
+from ..rank import setup as rank_setup, worker
 
 __all__ = ["Zygote", "ZygoteRank", "usable"]
 
@@ -159,7 +159,7 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
     # Jupyter interrupts the kernel's process group: that SIGINT is not for
     # the zygote, and its ranks take their own groups.
     os.setpgid(0, 0)
-    worker.prepare_for_ranks(ranks[0][0])
+    rank_setup.prepare_for_ranks(ranks[0][0])
     me = os.getpid()
     children: dict[int, int] = {}
     for i, (spec, job, go, events, output) in enumerate(ranks):

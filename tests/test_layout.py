@@ -1,0 +1,115 @@
+"""The layout rules of issue 36, checked on the source without a process:
+no import circle, no module too long to read in one sitting, no private
+name used from another module, each engine's module short enough to copy
+from, and a session and call watch that never name an engine."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
+MAX_MODULE_LINES = 500
+MAX_ENGINE_LINES = 320
+ENGINE_MODULES = ["local", "elastic", "agents", "slurm", "ray"]
+ENGINE_NAMES = {"LocalEngine", "ElasticEngine", "AgentEngine", "SlurmEngine", "RayEngine", "LocalPool",
+                "ElasticPool", "AgentPool", "SingleNode", "NodeGroup", "spans_nodes"}
+
+
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = (path, ast.parse(path.read_text(), str(path)))
+    return found
+
+
+MODULES = _modules()
+
+
+def _package(name: str) -> str:
+    path, _ = MODULES[name]
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def _imports(name: str):
+    """(imported module, names, node) of each runtime import (not under TYPE_CHECKING)."""
+    _, tree = MODULES[name]
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        base = _package(name).split(".")
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        yield ".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names], node
+
+
+def _edges(name: str) -> set[str]:
+    out = set()
+    for target, names, _ in _imports(name):
+        out |= {m for m in [target] + [f"{target}.{n}" for n in names] if m in MODULES and m != name}
+    # Importing a module imports its package first; those edges are Python's, not a design's.
+    return {m for m in out if MODULES[m][0].name != "__init__.py"}
+
+
+def test_no_import_circle():
+    graph = {m: _edges(m) for m in MODULES}
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                circles.append(path[path.index(n):] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert circles == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_over_500_lines(name):
+    path, _ = MODULES[name]
+    assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES, path
+
+
+@pytest.mark.parametrize("name", ENGINE_MODULES)
+def test_each_engine_reads_in_one_sitting(name):
+    path, _ = MODULES[f"nblaunch.engines.{name}"]
+    assert len(path.read_text().splitlines()) <= MAX_ENGINE_LINES, path
+
+
+def test_no_private_name_from_another_module():
+    used = []
+    for name in MODULES:
+        _, tree = MODULES[name]
+        aliases = {}
+        for target, names, node in _imports(name):
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                if full in MODULES:
+                    aliases[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and target in MODULES:
+                    used.append(f"{name}: from {target} import {alias.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
+                used.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    assert used == []
+
+
+@pytest.mark.parametrize("name", ["nblaunch.session", "nblaunch.watch"])
+def test_the_session_and_the_call_watch_never_name_an_engine(name):
+    _, tree = MODULES[name]
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    named |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert named & ENGINE_NAMES == set()
