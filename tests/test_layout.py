@@ -113,3 +113,13 @@ def test_the_session_and_the_call_watch_never_name_an_engine(name):
     named |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert named & ENGINE_NAMES == set()
+
+
+def test_a_rank_pools_kind_fills_in_at_most_8_steps_and_the_verbs_are_written_once():
+    from nblaunch.engines.agent_pool import AgentPool
+    from nblaunch.engines.local_pool import LocalPool
+    from nblaunch.engines.pool import RankPool
+
+    assert len(RankPool.__abstractmethods__) <= 8, sorted(RankPool.__abstractmethods__)
+    for kind in (LocalPool, AgentPool):
+        assert {"stop", "close", "interrupt", "stacks", "collectives"}.isdisjoint(vars(kind)), kind

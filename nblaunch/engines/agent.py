@@ -157,12 +157,6 @@ class _Agent:
                 pool.send(local, what)
         elif kind == "signal":
             pool.signal(*args)
-        elif kind == "interrupt":
-            pool.interrupt(*args)
-        elif kind == "kill_orphans":
-            pool.kill_orphans()
-        elif kind == "stop":
-            pool.stop(*args)
         elif kind == "stacks":
             rid, locals_ = args
             self._send(("reply", rid, pool.stacks(locals_)))

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
@@ -31,7 +31,7 @@ from .nodes import Placement, host_store, route_address
 from ..wire.modules import local_sources
 from ..wire.payload import CloudJob, PackedJob
 from .plan import resolve_backend
-from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankPool
+from .pool import TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankFacts, RankPool
 
 __all__ = ["AgentPool"]
 
@@ -52,11 +52,8 @@ class _Node:
 
 
 @dataclass
-class _Rank:
-    exited: bool = False
-    started: bool = False
-    tail: list = field(default_factory=list)
-    log: Any = None
+class _Rank(RankFacts):
+    log: Any = None  # its output, as it arrives
 
 
 class AgentPool(RankPool):
@@ -74,7 +71,7 @@ class AgentPool(RankPool):
         self.per_node = config.num_processes
         self.size = engine.num_nodes * self.per_node
         self.log_dir, self.notice = new_launch_dir()
-        self._ranks = [_Rank() for _ in range(self.size)]
+        self._ranks = self.facts = [_Rank(global_rank=r, node=r // self.per_node) for r in range(self.size)]
         self._agents: list[_Node] = []
         self._buffer: list = []  # events read while waiting for an answer, for the next poll
         self._replies: dict[int, Any] = {}
@@ -83,7 +80,6 @@ class AgentPool(RankPool):
         self._listener: Optional[link.Listener] = None
         self._step = None  # the engine's handle on the agents (poll, output, end)
         self._store = None
-        self._closed = False
         self.backend: Optional[str] = None  # decided at start, from every node's GPUs
 
     # -- starting ----------------------------------------------------------------
@@ -204,7 +200,7 @@ class AgentPool(RankPool):
                 item = _renumber(item, first + item.rank)
                 rank = self._ranks[item.rank]
                 if isinstance(item, Lines):
-                    rank.tail = (rank.tail + item.lines)[-TAIL_LINES:]
+                    rank.tail.extend(item.lines)
                     if rank.log is not None:
                         rank.log.write("".join(line + "\n" for line in item.lines))
                 elif isinstance(item, Message) and isinstance(item.event, Started):
@@ -269,15 +265,7 @@ class AgentPool(RankPool):
         for node, locals_ in self._by_node(ranks).items():
             self._tell(self._agents[node], ("signal", sig, locals_))
 
-    def kill_orphans(self) -> None:
-        for agent in self._agents:
-            self._tell(agent, ("kill_orphans",))
-
-    def interrupt(self, rank: int, how: str) -> None:
-        if rank // self.per_node < len(self._agents):
-            self._tell(self._agent_of(rank), ("interrupt", rank % self.per_node, how))
-
-    def _ask(self, node: int, verb: str, *args) -> Any:
+    def _request(self, node: int, verb: str, *args) -> Any:
         """An agent's answer; what else it sends meanwhile is kept for the next poll."""
         agent, rid = self._agents[node], next(self._ids)
         if not self._tell(agent, (verb, rid, *args)):
@@ -289,43 +277,25 @@ class AgentPool(RankPool):
 
     # -- looking -----------------------------------------------------------------
 
-    def stacks(self, ranks: Optional[list[int]] = None) -> str:
+    def _ask(self, what: str, ranks: list[int]) -> Any:
+        """Each node's agent answers for its ranks; stacks come under a line naming the node."""
+        if what == "collectives":
+            found: dict = {}
+            for node, locals_ in self._by_node(ranks).items():
+                found.update(self._request(node, what, locals_) or {})
+            return found
         texts = []
-        for node, locals_ in self._by_node(range(self.size) if ranks is None else ranks).items():
-            text = self._ask(node, "stacks", locals_)
+        for node, locals_ in self._by_node(ranks).items():
+            text = self._request(node, what, locals_)
             agent = self._agents[node]
             texts.append(f"node {node} ({agent.name}):\n" + (text if text is not None else "  (its agent did not answer)"))
         return "\n".join(texts) or "  (no rank was running)"
 
-    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
-        found: dict = {}
-        for node, locals_ in self._by_node(ranks).items():
-            found.update(self._ask(node, "collectives", locals_) or {})
-        return found
-
-    def global_rank(self, rank: int) -> int:
-        return rank
-
-    def node(self, rank: int) -> Optional[int]:
-        return rank // self.per_node
-
     def host(self, rank: int) -> Optional[str]:
         return self._agents[rank // self.per_node].name if self._agents else None
 
-    def exited(self, rank: int) -> bool:
-        return self._ranks[rank].exited
-
-    def ended(self, rank: int) -> bool:
-        return self._ranks[rank].exited
-
     def alive(self, rank: int) -> bool:
         return not self._ranks[rank].exited and bool(self._agents) and self._agent_of(rank).open
-
-    def started(self, rank: int) -> bool:
-        return self._ranks[rank].started
-
-    def running_pids(self) -> dict[int, int]:
-        return {}  # on other machines: their agents sample them (usage)
 
     def gpu_devices(self) -> dict:
         return {}  # each node's agent samples its own
@@ -334,16 +304,7 @@ class AgentPool(RankPool):
         usage, self._usage = self._usage, {}
         return usage or None
 
-    def tail(self, rank: int) -> tuple:
-        return tuple(self._ranks[rank].tail)
-
     # -- ending ------------------------------------------------------------------
-
-    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
-        everyone = list(range(self.size)) if order is None else order
-        for node, locals_ in self._by_node(everyone).items():
-            self._tell(self._agents[node], ("stop", grace, locals_))
-        self.wait(grace + TEARDOWN_WAIT_S)
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -359,16 +320,12 @@ class AgentPool(RankPool):
     def drain(self) -> list:
         for node, agent in enumerate(self._agents):
             if agent.open:
-                self._ask(node, "drain")
+                self._request(node, "drain")
         out, self._buffer = self._buffer, []
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         try:
-            self.drain()
             for agent in self._agents:
                 self._tell(agent, ("close",))
             deadline = time.monotonic() + TEARDOWN_WAIT_S * 2

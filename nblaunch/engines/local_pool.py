@@ -5,6 +5,7 @@ generation, forkserver or spawn) from the kernel's starter thread
 (:mod:`nblaunch.engines.nodes`), read through their pipes."""
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -19,27 +20,25 @@ from ..errors import LaunchError
 from ..logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
 from ..rank.worker import WorkerSpec, run_worker
-from ..wire.channel import Started, decode
+from ..wire.channel import Interrupt, Started, decode
 from .nodes import Nodes, Placement
 from .output import RankOutput
-from .pool import TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankPool
+from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
 from .procs import InterruptsDeferred, Starter, is_running, signal_tree, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
 
 
-@dataclass
-class _Proc:
+@dataclass(kw_only=True)
+class _Proc(RankFacts):
+    """A local rank: its spec, process, pipes and the processes it started."""
+
     spec: WorkerSpec
     proc: Any
     go: Connection
     events: Connection
     output: RankOutput
-    global_rank: int = -1
-    node: Optional[int] = None  # set in a multi-node launch
-    exited: bool = False
-    started: bool = False
     # Every process of its tree nblaunch has seen: a child that outlives
     # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
     tree: dict = field(default_factory=dict)
@@ -60,11 +59,11 @@ class LocalPool(RankPool):
         self.log_dir, self.notice = new_launch_dir()
         base = plan.specs_base
         self.size = base["local_world_size"]
-        self._release = threading.Event()  # set: start no more ranks
+        self._no_more_starts = threading.Event()
         self._started = threading.Event()  # set: the starter has started every rank
         self._starter: Optional[Starter] = None
-        self._closed = False
         self._procs: list[_Proc] = []
+        self.facts = self._procs
         self._child_ends: list[Connection] = []
         self._rank_ends: list[tuple] = []  # each rank's (go, events, output) ends
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
@@ -105,7 +104,9 @@ class LocalPool(RankPool):
         self._rank_ends.append((go_r, ev_w, out_w))
         proc = None if not own_process else ctx.Process(
             target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
-        self._procs.append(_Proc(spec, proc, go_w, ev_r, RankOutput(local, out_r)))
+        tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+        self._procs.append(_Proc(spec=spec, proc=proc, go=go_w, events=ev_r, output=RankOutput(local, out_r, tail),
+                                 tail=tail))
 
     # -- starting ----------------------------------------------------------------
 
@@ -115,11 +116,11 @@ class LocalPool(RankPool):
         def start_all() -> None:
             try:
                 if self._zygote is not None:
-                    if not self._release.is_set():
+                    if not self._no_more_starts.is_set():
                         self._zygote.start()
                     return
                 for p in self._procs:
-                    if self._release.is_set():  # interrupted: start no more
+                    if self._no_more_starts.is_set():  # interrupted: start no more
                         break
                     p.proc.start()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
@@ -225,10 +226,21 @@ class LocalPool(RankPool):
     # -- telling -----------------------------------------------------------------
 
     def send(self, rank: int, message: Any) -> bool:
+        if isinstance(message, Interrupt):
+            return self._interrupt(self._procs[rank], message.how)
         try:
             self._procs[rank].go.send(message)
             return True
         except (OSError, ValueError):
+            return False
+
+    @staticmethod
+    def _interrupt(p: _Proc, how: str) -> bool:
+        try:
+            write_atomically(p.spec.interrupt_file, how)
+            os.kill(p.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
+            return True
+        except (OSError, TypeError):
             return False
 
     def signal(self, sig: int, ranks: list[int]) -> None:
@@ -238,8 +250,10 @@ class LocalPool(RankPool):
             if p.exited or p.proc.pid is None or p.proc.exitcode is not None:
                 continue
             signal_tree(p.proc.pid, sig, p.tree)
+        if sig == signal.SIGKILL:
+            self._kill_orphans()
 
-    def kill_orphans(self) -> None:
+    def _kill_orphans(self) -> None:
         """What a killed rank left behind (children that outlived SIGTERM)."""
         for p in self._procs:
             for proc in p.tree.values():
@@ -248,21 +262,16 @@ class LocalPool(RankPool):
                 except psutil.Error:
                     pass
 
-    def interrupt(self, rank: int, how: str) -> None:
-        p = self._procs[rank]
-        try:
-            write_atomically(p.spec.interrupt_file, how)
-            os.kill(p.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
-        except (OSError, TypeError):
-            pass
-
     # -- looking -----------------------------------------------------------------
 
-    def stacks(self, ranks: Optional[list[int]] = None) -> str:
+    def _ask(self, what: str, ranks: list[int]) -> Any:
+        return self._stacks(ranks) if what == "stacks" else self._collectives(ranks)
+
+    def _stacks(self, ranks: list[int]) -> str:
         """Only ranks that reported ``Started`` are asked (their handler is
         armed): one still starting would not answer, and waiting for it
         would delay an early interrupt by the whole answer time."""
-        chosen = [self._procs[r] for r in (range(self.size) if ranks is None else ranks)]
+        chosen = [self._procs[r] for r in ranks]
 
         def label(p: _Proc) -> int:
             return p.global_rank if p.global_rank >= 0 else p.spec.local_rank
@@ -276,19 +285,10 @@ class LocalPool(RankPool):
                 f"  rank {rank}: still starting (fn not called yet)\n" for rank in starting).rstrip("\n")
         return text or "  (no rank was running)"
 
-    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
+    def _collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
         live = {self._procs[r].global_rank: (self._procs[r].proc.pid, self._procs[r].spec.stack_file)
                 for r in ranks}
         return collectives(collect(live), live)
-
-    def global_rank(self, rank: int) -> int:
-        return self._procs[rank].global_rank
-
-    def node(self, rank: int) -> Optional[int]:
-        return self._procs[rank].node
-
-    def exited(self, rank: int) -> bool:
-        return self._procs[rank].exited
 
     def ended(self, rank: int) -> bool:
         p = self._procs[rank]
@@ -302,29 +302,15 @@ class LocalPool(RankPool):
         p = self._procs[rank]
         return p.proc.pid is not None and p.proc.exitcode is None and is_running(p.proc.pid)
 
-    def started(self, rank: int) -> bool:
-        return self._procs[rank].started
-
     def running_pids(self) -> dict[int, int]:
         return {p.spec.local_rank: p.proc.pid for p in self._procs
                 if p.started and not p.exited and p.proc.pid is not None}
-
-    def tail(self, rank: int) -> tuple:
-        return tuple(self._procs[rank].output.tail)
 
     @property
     def pids(self) -> list[Optional[int]]:
         return [p.proc.pid for p in self._procs]
 
     # -- ending ------------------------------------------------------------------
-
-    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
-        if self._starter is None:
-            return
-        everyone = list(range(self.size)) if order is None else order
-        self.signal(signal.SIGTERM, everyone)
-        self.wait(grace)
-        self.signal(signal.SIGKILL, everyone)
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -338,14 +324,14 @@ class LocalPool(RankPool):
         and returned for the view)."""
         out: list[PoolEvent] = []
         if self._starter is not None:
-            self._release.set()  # no more starts ...
+            self._no_more_starts.set()  # no more starts ...
             if not self._started.wait(TEARDOWN_WAIT_S):  # ... and none in flight
                 self._starter.wedged()
         for p in self._procs:
             if p.proc.pid is not None and p.proc.exitcode is None:
                 signal_tree(p.proc.pid, signal.SIGKILL, p.tree)
                 p.proc.join(TEARDOWN_WAIT_S)
-        self.kill_orphans()
+        self._kill_orphans()
         for p in self._procs:
             if p.output.open:
                 p.output.read(out, max_reads=64)
@@ -371,13 +357,7 @@ class LocalPool(RankPool):
         for end in self._ends:
             end.close()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.drain()
-        finally:
-            self._release.set()
-            self._close_pipes()
-            release_launch_dir(self.log_dir)
+    def _release(self) -> None:
+        self._no_more_starts.set()
+        self._close_pipes()
+        release_launch_dir(self.log_dir)

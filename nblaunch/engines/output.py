@@ -10,7 +10,7 @@ import os
 from multiprocessing.connection import Connection
 from typing import BinaryIO, Optional
 
-from .pool import TAIL_LINES, Lines, Rewriting
+from .pool import Lines, Rewriting
 
 __all__ = ["RankOutput"]
 
@@ -20,15 +20,16 @@ MAX_LIVE_BYTES = 8192  # of an unfinished line, what the live view looks at
 
 
 class RankOutput:
-    """Local rank ``rank``'s output pipe ``conn`` (non-blocking)."""
+    """Local rank ``rank``'s output pipe ``conn`` (made non-blocking); its
+    last lines go to ``tail``."""
 
-    def __init__(self, rank: int, conn: Connection):
+    def __init__(self, rank: int, conn: Connection, tail: collections.deque):
         self.rank, self.conn = rank, conn
         os.set_blocking(conn.fileno(), False)
         self.log: Optional[BinaryIO] = None  # opened once the rank's global rank is known
         self.open = True
         self.partial = bytearray()
-        self.tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+        self.tail = tail  # the rank's last lines (the pool's RankFacts.tail)
 
     def read(self, out: list, max_reads: Optional[int] = READS_PER_PASS) -> None:
         """Take what the rank wrote: at most ``max_reads`` chunks a poll, so a

@@ -10,15 +10,17 @@ ranks on a cluster's nodes through their agents).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import collections
+import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..resources import gpu_devices
-from ..wire.channel import Event
+from ..wire.channel import Event, Interrupt
 from .nodes import Placement
 
-__all__ = ["RankPool", "Lines", "Rewriting", "Message", "Exited", "Lost", "PoolEvent", "TEARDOWN_WAIT_S", "TAIL_LINES"]
+__all__ = ["RankPool", "RankFacts", "Lines", "Rewriting", "Message", "Exited", "Lost", "PoolEvent", "TEARDOWN_WAIT_S", "TAIL_LINES"]
 
 TEARDOWN_WAIT_S = 2.0  # the most any wait in teardown takes
 TAIL_LINES = 40  # a rank's last lines, kept for its failure report
@@ -65,19 +67,47 @@ class Lost:
 PoolEvent = Union[Lines, Rewriting, Message, Exited, Lost]
 
 
-class RankPool(abc.ABC):
-    """One generation of ``size`` ranks on this node (local ranks ``0..size-1``).
+@dataclass
+class RankFacts:
+    """What every pool knows of one of its ranks, kept up to date by the
+    pool's kind where it reads them (a kind's per-rank record extends this)."""
 
-    ``start()`` starts them and places them in the job; ``poll(timeout)``
-    returns what happened since (at least one item, or none after
-    ``timeout``); ``send`` writes to a rank's control pipe; ``signal``
-    signals ranks with everything they started; ``stacks`` reads where ranks
-    are; ``stop(grace)`` ends them all; ``close()`` releases everything
-    (safe twice). A rank's global number and node are known once started."""
+    global_rank: int = -1  # known once placed
+    node: Optional[int] = None  # set where the job spans nodes
+    started: bool = False  # it reported ``Started``: its stack handler is armed
+    exited: bool = False  # a poll has returned its ``Exited``
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+
+class RankPool(abc.ABC):
+    """One generation of ``size`` ranks (numbered ``0..size-1`` in the pool).
+
+    The verbs the call watch uses are written here once: ``stop`` (SIGTERM,
+    a grace, SIGKILL), ``close`` (``drain``, then ``_release``, once),
+    ``interrupt`` (a message like any other), ``stacks`` and
+    ``collectives`` (one ``_ask``), and what is known of each rank
+    (``self.facts``: its number in the job, node, whether it started or
+    exited, its last lines). A kind fills in eight steps:
+
+    * ``start(tick)``: start every rank and place it in the job;
+    * ``poll(timeout)``: what happened since (at least one item, or none
+      after ``timeout``), noting it in ``facts``;
+    * ``send(rank, message)``: a control message, or an ``Interrupt``;
+      False if the rank can no longer be told;
+    * ``signal(sig, ranks)``: the ranks with everything they started
+      (SIGKILL also ends what stopped ranks left behind);
+    * ``_ask(what, ranks)``: ``"stacks"`` (text) or ``"collectives"``
+      (global rank -> the collective it waits in, or None);
+    * ``wait(timeout)``: until every rank's process ended (True) or not;
+    * ``drain()``: end what is left; return what the ranks wrote last;
+    * ``_release()``: free everything the pool holds.
+    """
 
     size: int
     placement: Optional[Placement] = None
     log_dir: Path
+    facts: list  # a RankFacts (or a kind's extension of it) per rank
+    _closed = False
 
     @abc.abstractmethod
     def start(self, tick: Callable[[], None] = lambda: None) -> Placement:
@@ -85,24 +115,117 @@ class RankPool(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, timeout: float) -> list[PoolEvent]:
-        ...
+        """What happened within ``timeout``."""
+
+    @abc.abstractmethod
+    def send(self, rank: int, message: Any) -> bool:
+        """False if the rank can no longer be told (it died: its exit says why)."""
+
+    @abc.abstractmethod
+    def signal(self, sig: int, ranks: list[int]) -> None:
+        """Signal ``ranks`` and what they started; SIGKILL also what they left behind."""
+
+    @abc.abstractmethod
+    def _ask(self, what: str, ranks: list[int]) -> Any:
+        """``"stacks"``: each rank's main-thread stack as text, innermost
+        frame first; ``"collectives"``: global rank -> the collective it
+        waits in (None: not in one)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float) -> bool:
+        """Until every rank's process has ended (True) or ``timeout`` passed."""
+
+    @abc.abstractmethod
+    def drain(self) -> list[PoolEvent]:
+        """Kill what is left; return what the ranks wrote last."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Free what the pool holds (pipes, connections, logs, its folder)."""
+
+    # -- written once --------------------------------------------------------------
+
+    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
+        """SIGTERM every live rank (in ``order``), SIGKILL what is left after ``grace``."""
+        everyone = list(range(self.size)) if order is None else order
+        self.signal(signal.SIGTERM, everyone)
+        self.wait(grace)
+        self.signal(signal.SIGKILL, everyone)
+
+    def close(self) -> None:
+        """Kill what is left and release everything; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self._release()
+
+    def interrupt(self, rank: int, how: str) -> None:
+        """A live rank's SIGINT, for the call it is on (``how``: see ``rank.interrupts.CallInterrupt``)."""
+        self.send(rank, Interrupt(how))
+
+    def stacks(self, ranks: Optional[list[int]] = None) -> str:
+        """Each rank's main-thread stack, innermost frames first."""
+        return self._ask("stacks", list(range(self.size)) if ranks is None else ranks)
+
+    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
+        """Global rank -> the collective it waits in (None: not in one)."""
+        return self._ask("collectives", ranks)
+
+    def global_rank(self, rank: int) -> int:
+        return self.facts[rank].global_rank
+
+    def node(self, rank: int) -> Optional[int]:
+        return self.facts[rank].node
+
+    def exited(self, rank: int) -> bool:
+        return self.facts[rank].exited
+
+    def ended(self, rank: int) -> bool:
+        """Its process has ended, whether or not a poll has said so yet."""
+        return self.facts[rank].exited
+
+    def alive(self, rank: int) -> bool:
+        """Still up, checked now (even between calls)."""
+        return not self.ended(rank)
+
+    def started(self, rank: int) -> bool:
+        """It reported ``Started``: its stack handler is armed."""
+        return self.facts[rank].started
+
+    def tail(self, rank: int) -> tuple:
+        """The rank's last lines of output."""
+        return tuple(self.facts[rank].tail)
+
+    @property
+    def log_files(self) -> list[str]:
+        """Each rank's full output, in pool order (once placed)."""
+        return [str(self.log_dir / f"rank{self.global_rank(r)}.log") for r in range(self.size)]
+
+    # -- what a kind may say more of -------------------------------------------------
 
     def host(self, rank: int) -> Optional[str]:
         """The machine a rank runs on, where the pool spans several."""
         return None
 
-    def gpu_devices(self) -> dict:
-        """Local rank -> the GPU the kernel samples for it (none for ranks on other machines)."""
-        return gpu_devices(list(range(self.size)))
-
-    def usage(self, sampler) -> Optional[dict]:
-        """Each running rank's resources, at most every sampler interval (None between)."""
-        return sampler.sample(self.running_pids())
+    def running_pids(self) -> dict[int, int]:
+        """Rank -> pid, of ranks started and not ended, whose process is on this machine."""
+        return {}
 
     @property
     def pids(self) -> list:
         """Each rank's pid, where its process is on this machine."""
         return []
+
+    def gpu_devices(self) -> dict:
+        """Rank -> the GPU the kernel samples for it (none for ranks on other machines)."""
+        return gpu_devices(list(range(self.size)))
+
+    def usage(self, sampler) -> Optional[dict]:
+        """Each running rank's resources, at most every sampler interval (None between)."""
+        return sampler.sample(self.running_pids())
 
     # -- the rest of the job: other nodes with kernels of their own. None,
     # unless the engine joins some (engines/elastic.py).
@@ -119,78 +242,3 @@ class RankPool(abc.ABC):
         another node's already heard of): agree on the outcome with the rest
         of the job; returns a failure from elsewhere, or None."""
         return None
-
-    @abc.abstractmethod
-    def send(self, rank: int, message: Any) -> bool:
-        """False if the rank can no longer be told (it died: its exit says why)."""
-
-    @abc.abstractmethod
-    def signal(self, sig: int, ranks: list[int]) -> None:
-        ...
-
-    @abc.abstractmethod
-    def kill_orphans(self) -> None:
-        """SIGKILL what stopped ranks left behind (children that outlived SIGTERM)."""
-
-    @abc.abstractmethod
-    def interrupt(self, rank: int, how: str) -> None:
-        """A live rank's SIGINT, for the call it is on (``how``: see ``rank.interrupts.CallInterrupt``)."""
-
-    @abc.abstractmethod
-    def stacks(self, ranks: Optional[list[int]] = None) -> str:
-        """Each rank's main-thread stack, innermost frames first."""
-
-    @abc.abstractmethod
-    def collectives(self, ranks: list[int]) -> dict[int, Optional[str]]:
-        """Global rank -> the collective it waits in (None: not in one)."""
-
-    @abc.abstractmethod
-    def stop(self, grace: float, order: Optional[list[int]] = None) -> None:
-        """SIGTERM every live rank (in ``order``), SIGKILL what is left after ``grace``."""
-
-    @abc.abstractmethod
-    def wait(self, timeout: float) -> bool:
-        """Until every rank's process has ended (True) or ``timeout`` passed."""
-
-    @abc.abstractmethod
-    def drain(self) -> list[PoolEvent]:
-        """Kill what is left; return what the ranks wrote last."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        ...
-
-    # what every kind knows of its ranks
-    @abc.abstractmethod
-    def global_rank(self, rank: int) -> int: ...
-
-    @abc.abstractmethod
-    def node(self, rank: int) -> Optional[int]: ...
-
-    @abc.abstractmethod
-    def exited(self, rank: int) -> bool: ...
-
-    @abc.abstractmethod
-    def ended(self, rank: int) -> bool:
-        """Its process has ended, whether or not a poll has said so yet."""
-
-    @abc.abstractmethod
-    def alive(self, rank: int) -> bool:
-        """Not exited, and not a zombie (checked now, even between calls)."""
-
-    @abc.abstractmethod
-    def started(self, rank: int) -> bool:
-        """It reported ``Started``: its stack handler is armed."""
-
-    @abc.abstractmethod
-    def running_pids(self) -> dict[int, int]:
-        """Local rank -> pid, of ranks started and not ended."""
-
-    @abc.abstractmethod
-    def tail(self, rank: int) -> tuple:
-        """The rank's last lines of output."""
-
-    @property
-    def log_files(self) -> list[str]:
-        """Each rank's full output, in local-rank order (once placed)."""
-        return [str(self.log_dir / f"rank{self.global_rank(r)}.log") for r in range(self.size)]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["RELEASE", "CLOSE", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Phase", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "CLOSE", "Interrupt", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Phase", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ class Result:
 
 RELEASE = "release"  # kernel -> rank, on the go pipe: the result was taken
 CLOSE = "close"  # kernel -> a live rank, on the go pipe: leave
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Kernel -> a live rank: stop the call you are on (``how``: see
+    ``rank.interrupts.CallInterrupt``). Not written on the pipe: the rank's
+    pool delivers it as a file and SIGINT, which reach a rank that is not
+    reading its pipe."""
+    how: str
 
 
 @dataclass(frozen=True)
