@@ -382,13 +382,22 @@ MEMORY_CASES = (("nblaunch", "fork"), ("nblaunch", "forkserver"), ("nblaunch", "
 
 def _memory_case(launcher: str, method: str, n: int, mib: int) -> dict:
     """One memory reading, in a fresh kernel, so one launcher's
-    shared-memory choices cannot leak into the next one's numbers."""
+    shared-memory choices cannot leak into the next one's numbers. A
+    competitor that hangs (seen: accelerate forking 4 ranks from a kernel
+    that had run torch's OpenMP ops) is recorded as hung, as the launch
+    bench does; a hang of nblaunch still ends the benchmark."""
     kernel = BenchKernel()
     try:
         kernel.run(SETUP + JOBS_SETUP + MEMORY_SETUP)
         kernel.run(f"_make_big({mib})")
         print(f"  memory {launcher} {method} {n} ranks ...", file=sys.stderr, flush=True)
-        text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
+        try:
+            text = kernel.run(f"memory({launcher!r}, {method!r}, {n})", timeout=300)
+        except TimeoutError:
+            if launcher == "nblaunch":
+                raise
+            print(f"  memory {launcher} {method} {n} ranks hung", file=sys.stderr, flush=True)
+            return {"ranks_uss_mib": None, "extra_mib": None, "hung": True}
         return json.loads(text.split("MEMORY ", 1)[1])
     finally:
         kernel.close()
@@ -416,7 +425,8 @@ def measure_fork_memory(mib: int, sizes) -> dict:
     by_ranks = {}
     for n in sizes:
         uss = {launcher: _memory_case(launcher, "fork", n, mib)["ranks_uss_mib"] for launcher in FORK_LAUNCHERS}
-        by_ranks[n] = {"ranks_uss_mib": uss, "nblaunch/torch_fork": uss["nblaunch"] / uss["torch"]}
+        ratio = uss["nblaunch"] / uss["torch"] if uss["torch"] else None
+        by_ranks[n] = {"ranks_uss_mib": uss, "nblaunch/torch_fork": ratio}
     return {"tensor_mib": mib, "by_ranks": by_ranks}
 
 
@@ -513,7 +523,7 @@ def memory_table(memory: dict) -> str:
     lines = [f"| {memory['ranks']} ranks, {memory['tensor_mib']} MiB tensor | ranks' own memory (MiB, sum of USS) "
              "| extra memory of the kernel's process tree (MiB, PSS) |", "|---|---|---|"]
     for case, m in memory["cases"].items():
-        lines.append(f"| {case} | {m['ranks_uss_mib']:.0f} | {m['extra_mib']:.0f} |")
+        lines.append(f"| {case} | {_mib(m['ranks_uss_mib'], '.0f')} | {_mib(m['extra_mib'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -522,9 +532,13 @@ def fork_memory_table(memory: dict) -> str:
              + " | ".join(f"{name} fork" for name in FORK_LAUNCHERS) + " | nblaunch / torch fork |",
              "|---" * (len(FORK_LAUNCHERS) + 2) + "|"]
     for n, row in memory["by_ranks"].items():
-        lines.append(f"| {n} ranks | " + " | ".join(f"{row['ranks_uss_mib'][name]:.1f}" for name in FORK_LAUNCHERS)
-                     + f" | {row['nblaunch/torch_fork']:.2f} |")
+        lines.append(f"| {n} ranks | " + " | ".join(_mib(row['ranks_uss_mib'][name], ".1f") for name in FORK_LAUNCHERS)
+                     + f" | {_mib(row['nblaunch/torch_fork'], '.2f')} |")
     return "\n".join(lines)
+
+
+def _mib(value, fmt: str) -> str:
+    return "hung" if value is None else format(value, fmt)
 
 
 def plot(summary: dict, sizes, path: Path) -> None:
