@@ -37,6 +37,7 @@ from .engines import Engine, engine_for
 from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
+from .live_watch import LiveCallWatch
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -129,7 +130,7 @@ class Session:
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
-            watch = CallWatch(pool, view, 0, keep_ranks=False, timeout=c.timeout, stall_warning=c.stall_warning,
+            watch = CallWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
                               job_size=getattr(job, "size", 0))
             results = watch.run(lambda: engine.place(pool, view))
             outcome = "finished"
@@ -158,7 +159,7 @@ class Session:
         view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
         for text in filter(None, [engine.notice, pool.notice]):
             view.notice(text)
-        watch = CallWatch(pool, view, 0, keep_ranks=True)
+        watch = LiveCallWatch(pool, view, 0)
         try:
             watch.run(lambda: engine.place(pool, view))
         except BaseException:
@@ -181,7 +182,7 @@ class Session:
         name = f"call {self.runs + counted}"
         view.begin(self.world_size, self.engine.method, self.engine.backend or "", str(pool.log_dir),
                    call=self.runs + counted if counted else 0)
-        watch = CallWatch(pool, view, number, keep_ranks=True, timeout=timeout,
+        watch = LiveCallWatch(pool, view, number, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
         if counted:
             self.runs += 1

@@ -13,13 +13,15 @@ from typing import Optional
 
 import pytest
 
-from nblaunch import watch as watch_mod
 from nblaunch.wire.channel import Failure, Progress, Result, Started, Stopping
 from nblaunch.view import TextDisplay
 from nblaunch.errors import LaunchTimeout, WorkerError
 from nblaunch.engines.nodes import Placement
 from nblaunch.engines.pool import Exited, Lines, Message, RankPool
-from nblaunch.stalls import Stalls
+from nblaunch import rules
+from nblaunch.rules import Stalls
+from nblaunch import live_watch
+from nblaunch.live_watch import LiveCallWatch
 from nblaunch.watch import CallWatch
 
 PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
@@ -156,7 +158,7 @@ def quiet_view(size=2):
 
 
 def launch(pool, **kw):
-    watch = CallWatch(pool, quiet_view(pool.size), 0, keep_ranks=False, **kw)
+    watch = CallWatch(pool, quiet_view(pool.size), 0, **kw)
     return watch, watch.run(pool.start)
 
 
@@ -221,7 +223,7 @@ def test_the_stop_button_stops_a_launch_and_shows_where_ranks_were():
 
 
 def test_a_rank_that_returned_while_its_peer_waits_in_a_collective_is_the_failure(monkeypatch):
-    monkeypatch.setattr(watch_mod, "LEFT_GRACE_S", 0.02)
+    monkeypatch.setattr(rules, "LEFT_GRACE_S", 0.02)
     pool = FakePool(2, [[started(0), started(1)], [result(0, None)]], waits_in={1: "all_reduce"})
     with pytest.raises(WorkerError) as info:
         launch(pool)
@@ -234,7 +236,7 @@ def test_a_rank_that_returned_while_its_peer_waits_in_a_collective_is_the_failur
 
 def live_call(pool, call=1, **kw):
     pool.start()
-    watch = CallWatch(pool, quiet_view(), call, keep_ranks=True, **kw)
+    watch = LiveCallWatch(pool, quiet_view(), call, **kw)
     try:
         return watch, watch.run(lambda: None), None
     except BaseException as exc:  # noqa: BLE001 - the test looks at it
@@ -252,7 +254,7 @@ def test_a_live_failure_interrupts_the_others_and_keeps_the_ranks():
 
 
 def test_a_live_rank_that_does_not_answer_the_interrupt_breaks_the_ranks(monkeypatch):
-    monkeypatch.setattr(watch_mod, "INTERRUPT_GRACE_S", 0.05)
+    monkeypatch.setattr(live_watch, "INTERRUPT_GRACE_S", 0.05)
     pool = FakePool(2, [[failure(0, "ValueError", "bad", call=1)]])  # rank 1 never answers
     watch, _, exc = live_call(pool)
     assert isinstance(exc, WorkerError) and exc.rank == 0
@@ -270,7 +272,7 @@ def test_a_live_timeout_shows_the_stacks_and_keeps_ranks_that_answer():
 
 
 def test_a_live_timeout_in_a_collective_gives_the_ranks_up(monkeypatch):
-    monkeypatch.setattr(watch_mod, "INTERRUPT_GRACE_S", 0.05)
+    monkeypatch.setattr(live_watch, "INTERRUPT_GRACE_S", 0.05)
     pool = FakePool(2, [])  # neither rank answers: both wait in a collective
     watch, _, exc = live_call(pool, timeout=0.05)
     assert isinstance(exc, LaunchTimeout) and "could not be kept" in str(exc)
@@ -329,7 +331,7 @@ def test_a_stall_warning_reaches_the_view():
                     + [[item] for item in p] + [[]] * 30 + [[result(0, 0), result(1, 1)], [Exited(0, 0), Exited(1, 0)]])
     view = quiet_view()
     stalls_at = 0.05
-    watch = CallWatch(pool, view, 0, keep_ranks=False, stall_warning=stalls_at)
+    watch = CallWatch(pool, view, 0, stall_warning=stalls_at)
     orig = pool.poll
 
     def slow_poll(timeout):
@@ -345,5 +347,5 @@ def test_lines_reach_the_view():
     pool = FakePool(2, [[started(0), started(1), Lines(0, ["hello"])], [result(0, 0), result(1, 1)],
                         [Exited(0, 0), Exited(1, 0)]])
     view = quiet_view()
-    CallWatch(pool, view, 0, keep_ranks=False).run(pool.start)
+    CallWatch(pool, view, 0).run(pool.start)
     assert "[rank 0] hello" in list(view.state.tail)
