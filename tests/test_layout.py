@@ -123,3 +123,11 @@ def test_a_rank_pools_kind_fills_in_at_most_8_steps_and_the_verbs_are_written_on
     assert len(RankPool.__abstractmethods__) <= 8, sorted(RankPool.__abstractmethods__)
     for kind in (LocalPool, AgentPool):
         assert {"stop", "close", "interrupt", "stacks", "collectives"}.isdisjoint(vars(kind)), kind
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_class_over_300_lines(name):
+    _, tree = MODULES[name]
+    long = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300}
+    assert long == {}

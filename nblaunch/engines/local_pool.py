@@ -24,7 +24,7 @@ from ..wire.channel import Interrupt, Started, decode
 from .nodes import Nodes, Placement
 from .output import RankOutput
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
-from .procs import InterruptsDeferred, Starter, is_running, signal_tree, write_atomically
+from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
@@ -151,26 +151,11 @@ class LocalPool(RankPool):
         return pl
 
     def _join(self, tick: Callable[[], None]) -> Placement:
-        """``nodes.join`` in a helper thread, so that the cell's thread stays
-        interruptible (and the view alive) while the nodes gather."""
+        """``nodes.join``; across nodes, in a helper thread, so that the
+        cell's thread stays interruptible (and the view alive) while they gather."""
         if self._nodes.num_nodes == 1:
             return self._nodes.join(self._attempt)  # hosts a store: nothing to wait for
-        box: dict = {}
-
-        def join() -> None:
-            try:
-                box["placement"] = self._nodes.join(self._attempt)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
-                box["error"] = exc
-
-        thread = threading.Thread(target=join, name="nblaunch-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            tick()
-        if "error" in box:
-            raise box["error"]
-        return box["placement"]
+        return in_helper_thread(lambda: self._nodes.join(self._attempt), tick, name="nblaunch-join")
 
     # -- reading -----------------------------------------------------------------
 
@@ -227,20 +212,11 @@ class LocalPool(RankPool):
 
     def send(self, rank: int, message: Any) -> bool:
         if isinstance(message, Interrupt):
-            return self._interrupt(self._procs[rank], message.how)
+            return _interrupt(self._procs[rank], message.how)
         try:
             self._procs[rank].go.send(message)
             return True
         except (OSError, ValueError):
-            return False
-
-    @staticmethod
-    def _interrupt(p: _Proc, how: str) -> bool:
-        try:
-            write_atomically(p.spec.interrupt_file, how)
-            os.kill(p.proc.pid, signal.SIGINT)  # the rank alone: DataLoader workers follow their rank
-            return True
-        except (OSError, TypeError):
             return False
 
     def signal(self, sig: int, ranks: list[int]) -> None:
@@ -361,3 +337,14 @@ class LocalPool(RankPool):
         self._no_more_starts.set()
         self._close_pipes()
         release_launch_dir(self.log_dir)
+
+
+def _interrupt(p: _Proc, how: str) -> bool:
+    """A live rank's interrupt: what it is for, in its file, then SIGINT to the rank alone
+    (its DataLoader workers follow their rank)."""
+    try:
+        write_atomically(p.spec.interrupt_file, how)
+        os.kill(p.proc.pid, signal.SIGINT)
+        return True
+    except (OSError, TypeError):
+        return False

@@ -18,11 +18,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 
-__all__ = ["Starter", "InterruptsDeferred", "signal_tree", "write_atomically", "is_running"]
+__all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "write_atomically", "is_running"]
 
 
 class InterruptsDeferred:
@@ -136,3 +136,25 @@ def is_running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def in_helper_thread(fn: Callable[[], Any], tick: Callable[[], None], name: str) -> Any:
+    """``fn()`` in a daemon thread while this thread ticks every 0.1 s: a
+    ``KeyboardInterrupt`` reaches this thread at once, whatever ``fn``
+    blocks in. ``fn``'s exception is raised here."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        tick()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
