@@ -36,21 +36,25 @@ class Nodes:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, scenario, endpoint, backend="c10d", rdzv_id=None, node_rank=None, extra=None,
-              prefix=()):
-        env = dict(os.environ, NODE_TEST_PIDS=str(self.pids), PYTHONPATH=str(ROOT))
+              prefix=(), env=None):
+        env = dict(os.environ, NODE_TEST_PIDS=str(self.pids), PYTHONPATH=str(ROOT), **(env or {}))
         args = [*prefix, sys.executable, str(SCRIPT), scenario, endpoint, backend, rdzv_id or "t",
                 "-" if node_rank is None else str(node_rank), json.dumps(extra or {})]
         self.procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                            text=True))
 
     def results(self, timeout=120.0) -> list[dict]:
-        out = []
-        for p in self.procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
-            assert line, f"a node printed no result (rc {p.returncode}):\n{stdout}\n{stderr}"
-            out.append(json.loads(line[-1][len("RESULT "):]) | {"stderr": stderr})
-        return out
+        return [self.result(p, timeout) for p in self.procs]
+
+    @staticmethod
+    def result(p: subprocess.Popen, timeout: float) -> dict:
+        """What node ``p`` printed, once it ended (``left``: what the hooks
+        found in its process after the launch, when it ran under them)."""
+        stdout, stderr = p.communicate(timeout=timeout)
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        assert line, f"a node printed no result (rc {p.returncode}):\n{stdout}\n{stderr}"
+        left = [json.loads(x[len("LEFT "):]) for x in stdout.splitlines() if x.startswith("LEFT ")]
+        return json.loads(line[-1][len("RESULT "):]) | {"stderr": stderr, "left": left[-1] if left else None}
 
     def rank_pids(self) -> list[int]:
         return [int(x) for x in self.pids.read_text().split()] if self.pids.exists() else []
@@ -140,6 +144,149 @@ def test_an_interrupt_on_one_node_stops_the_other(nodes):
     assert interrupted["error"] == "KeyboardInterrupt"
     assert other["error"] == "WorkerError"
     assert other["text"].startswith("node 0 was interrupted; its ranks were stopped"), other["text"]
+
+
+# A node launcher run under hooks (pass ``hooked(...)`` to ``Nodes.start``):
+# files in $NODE_TEST_MARKS say where its rendezvous is ("joining": a join has
+# begun; "formed": every node has joined and node 0 is about to say where the
+# ranks' store is; "joined": this node's join has returned), and it waits for
+# a file "go" at the point $NODE_TEST_HOLD names ("formed" or "joined"). After
+# the launch it prints what the launch left in its process, as a kernel lives
+# on: threads still in a rendezvous, sockets still listening.
+HOOKS = r"""
+import gc, json, os, pathlib, runpy, sys, threading, time
+import psutil
+import nblaunch.engines.nodes as nodes
+
+marks = pathlib.Path(os.environ["NODE_TEST_MARKS"])
+join, host_store = nodes.NodeGroup.join, nodes.host_store
+
+def mark(name):
+    (marks / name).touch()
+    while os.environ.get("NODE_TEST_HOLD") == name and not (marks / "go").exists():
+        time.sleep(0.01)
+
+def marked_join(self, attempt):
+    mark("joining")
+    placement = join(self, attempt)
+    mark("joined")
+    return placement
+
+def marked_host_store(*args, **kwargs):
+    mark("formed")
+    return host_store(*args, **kwargs)
+
+nodes.NodeGroup.join, nodes.host_store = marked_join, marked_host_store
+sys.argv = sys.argv[2:]  # [python, node_launch.py, ...] -> node_launch.py's own
+runpy.run_path(sys.argv[0], run_name="__main__")
+gc.collect()
+me = psutil.Process()
+conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections("tcp")
+print("LEFT " + json.dumps({
+    "threads": [t.name for t in threading.enumerate() if t.name == "nblaunch-join"],
+    "listening": sorted(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN)}), flush=True)
+"""
+# The launcher of an interrupted node ends within this (the hangs this guards
+# against lasted the rendezvous timeout, 300 s by default).
+INTERRUPTED_ENDS_S = 45.0
+NOTHING_LEFT = {"threads": [], "listening": []}
+
+
+def hooked(marks: Path, hold: str = "") -> dict:
+    marks.mkdir()
+    return {"prefix": (sys.executable, "-c", HOOKS), "env": {"NODE_TEST_MARKS": str(marks), "NODE_TEST_HOLD": hold}}
+
+
+def wait_for(path: Path, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"{path.name!r} never came"
+
+
+def interrupt(nodes: Nodes, p: subprocess.Popen) -> dict:
+    """The user presses stop on node ``p``: its launcher must end soon, raise
+    KeyboardInterrupt, and leave nothing in its process."""
+    p.send_signal(signal.SIGINT)
+    try:
+        res = nodes.result(p, timeout=INTERRUPTED_ENDS_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the interrupted launcher had not ended {INTERRUPTED_ENDS_S:g} s after the interrupt")
+    assert res["error"] == "KeyboardInterrupt", res
+    assert res["left"] == NOTHING_LEFT, res["left"]
+    return res
+
+
+@pytest.mark.parametrize("backend,node_rank", [("static", 0), ("static", 1), ("c10d", None)])
+def test_an_interrupt_while_waiting_for_the_other_node_ends_the_launch_and_its_rendezvous(
+        nodes, tmp_path, backend, node_rank):
+    """"waiting for 2 nodes to join", the other node not there: as the host
+    of the endpoint (static node 0, c10d), or as a node that waits for it."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes.start("forever", endpoint, backend, uuid.uuid4().hex, node_rank=node_rank,
+                **hooked(tmp_path / "marks"))
+    wait_for(tmp_path / "marks" / "joining")
+    interrupt(nodes, nodes.procs[0])
+
+
+def test_an_interrupt_while_node_0_is_yet_to_say_where_the_ranks_store_is(nodes, tmp_path):
+    """Every node has joined; node 0 is slow to host the ranks' store, and
+    node 1, waiting for its address, is interrupted. Node 1 ends at once, and
+    node 0, once it goes on, is told that node 1 left."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes.start("forever", endpoint, "static", "h", node_rank=0, **hooked(tmp_path / "marks0", hold="formed"))
+    nodes.start("forever", endpoint, "static", "h", node_rank=1, **hooked(tmp_path / "marks1"))
+    wait_for(tmp_path / "marks0" / "formed")
+    interrupt(nodes, nodes.procs[1])
+    (tmp_path / "marks0" / "go").touch()
+    other = nodes.result(nodes.procs[0], timeout=60)
+    assert other["error"] in ("LaunchError", "WorkerError"), other
+    assert "node 1 " in other["text"], other["text"]
+    assert other["left"] == NOTHING_LEFT, other["left"]
+
+
+def test_an_interrupt_as_the_rendezvous_ends_stops_the_node_whose_ranks_started(nodes, tmp_path):
+    """Both joins are done and node 0's ranks are starting; node 1 is
+    interrupted before its own ranks get their place. Node 0 is told that
+    node 1 left, instead of its ranks waiting for node 1's until their
+    process group's timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes.start("forever", endpoint, "static", "j", node_rank=0, **hooked(tmp_path / "marks0"))
+    nodes.start("forever", endpoint, "static", "j", node_rank=1, **hooked(tmp_path / "marks1", hold="joined"))
+    wait_for(tmp_path / "marks0" / "joined")
+    wait_for(tmp_path / "marks1" / "joined")
+    nodes.procs[1].send_signal(signal.SIGINT)
+    (tmp_path / "marks1" / "go").touch()  # its join returns as the interrupt is handled
+    interrupted = nodes.result(nodes.procs[1], timeout=INTERRUPTED_ENDS_S)
+    assert interrupted["error"] == "KeyboardInterrupt", interrupted
+    assert interrupted["left"] == NOTHING_LEFT, interrupted["left"]
+    other = nodes.result(nodes.procs[0], timeout=60)
+    assert other["error"] == "WorkerError", other
+    assert other["text"].startswith("node 1 left before its ranks were done"), other["text"]
+    assert other["left"] == NOTHING_LEFT, other["left"]
+
+
+@pytest.mark.parametrize("backend,delay", [("static", 0.0), ("static", 0.3), ("static", 1.0), ("static", 2.0),
+                                           ("c10d", 0.3), ("c10d", 1.0)])
+def test_an_interrupt_at_any_moment_of_the_gathering_ends_every_node(nodes, tmp_path, backend, delay):
+    """Both nodes start together; the first is interrupted ``delay`` s after
+    its join began: before the other has arrived, while they meet, or as the
+    ranks start. Each moment must end both launches (the other with an error,
+    at the latest after its rdzv_timeout if the first left before it came),
+    with nothing left behind."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv_id, extra = uuid.uuid4().hex, {"rdzv_timeout": 10}
+    ranks = (0, 1) if backend == "static" else (None, None)
+    nodes.start("forever", endpoint, backend, rdzv_id, node_rank=ranks[0], extra=extra,
+                **hooked(tmp_path / "marks0"))
+    nodes.start("forever", endpoint, backend, rdzv_id, node_rank=ranks[1], extra=extra,
+                **hooked(tmp_path / "marks1"))
+    wait_for(tmp_path / "marks0" / "joining")
+    time.sleep(delay)  # the moment; whichever it is, the same must hold
+    interrupt(nodes, nodes.procs[0])
+    other = nodes.result(nodes.procs[1], timeout=60)
+    assert other["error"] in ("LaunchError", "WorkerError"), other
+    assert other["left"] == NOTHING_LEFT, other["left"]
 
 
 @pytest.mark.parametrize("backend,node_rank", [("c10d", None), ("static", 0)])

@@ -8,17 +8,17 @@ store). While the ranks run, the call watch ``publish``-es this node's first
 failure and ``poll``-s for another node's, so a failure anywhere stops every
 node within a poll period instead of a collective's 30-minute timeout.
 
-Membership is torch's: ``c10d`` (dynamic: nodes get their rank in arrival
-order) or ``static`` (each node says its rank). What nblaunch adds on top of
-the rendezvous store is three keys per attempt: where the ranks' store is,
-the first failure, and an exit count (so node 0 keeps the ranks' store up
+Membership is torch's ``c10d`` (dynamic: nodes get their rank in arrival
+order), or ``static`` (each node says its rank; node 0 hosts the endpoint's
+store). nblaunch keeps per attempt, on the endpoint's store, who came and
+who left (and who left early); on the round's store, where the ranks' store
+is, the first failure, and an exit count (node 0 keeps the ranks' store up
 until every node's ranks are done, as torchrun's exit barrier does).
 """
 from __future__ import annotations
 
 import datetime
 import json
-import re
 import socket
 import threading
 import time
@@ -30,6 +30,7 @@ from ..errors import LaunchError, RankFailure, from_record, to_record
 __all__ = ["Placement", "SingleNode", "NodeGroup", "host_store", "route_address"]
 
 _POLL_S = 0.25
+_SLICE_S = 0.05  # how often a join's waits look whether the launch was closed
 CLOSE_WAIT_S = 5.0
 
 
@@ -137,9 +138,12 @@ class SingleNode:
         self._store = None
 
 
-class NodeGroup:
-    """Several machines (or several launcher processes) joined through
-    torch.distributed.elastic's rendezvous at ``endpoint``."""
+class _Rendezvous:
+    """The gathering at ``endpoint`` by torch.distributed.elastic's rendezvous: the endpoint's store
+    (``_raw``) and, for c10d, torch's handler. A join runs in a helper thread (the cell's stays
+    interruptible), and ``close``, the launch's end (an interrupt's too), ends it: its waits poll in
+    slices of ``_SLICE_S``, a node connects once the endpoint listens, the static rendezvous is a
+    count (torch's waits in its store's constructor), and torch's c10d join ends once marked closed."""
 
     def __init__(self, *, num_nodes: int, node_rank: Optional[int], endpoint: str, backend: str,
                  run_id: str, rdzv_timeout_s: float, local_world_size: int, addr: str,
@@ -153,102 +157,122 @@ class NodeGroup:
         self._rdzv_timeout = rdzv_timeout_s
         self._n = local_world_size
         self._store_timeout = store_timeout_s
-        self._handler = None
-        self._raw = None  # the c10d backend's own store (arrival counts)
-        self._store = None  # this round's rendezvous store
-        self._prefix = ""
-        self._ranks_store = None  # node 0: the ranks' TCPStore
-        self._published = False
+        self._handler = self._rdzv = self._params = None  # c10d: torch's handler, its backend and parameters
+        self._raw = None  # the endpoint's store itself (who came, who left)
+        self._store = self._ranks_store = None  # this round's rendezvous store; node 0: the ranks' TCPStore
+        self._prefix, self._attempt = "", 0
+        self._rank: Optional[int] = None  # this node's rank in this attempt's round
+        self._published = self._settled = False  # settled: this attempt's ranks are done here (finish)
         self._lost = False  # the rendezvous store went away (its host node ended)
         self._last_poll = 0.0
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # close() was called: a join in flight gives up
+        self._idle = threading.Event()  # no join in flight
+        self._idle.set()
+        self._abandoned = False  # close() stopped waiting for a join: the join releases when it ends
+        self._state = threading.Lock()  # join and close: who is in flight, who releases
 
-    # -- joining -------------------------------------------------------------
-
-    def join(self, attempt: int) -> Placement:
-        """Rendezvous with the other nodes; blocks up to ``rdzv_timeout``."""
-        self._published = self._lost = False
-        self._prefix = f"nblaunch/{attempt}/"
-        if self._handler is None:
-            self._handler = self._make_handler()
-        if self._raw is not None:
-            self._raw.add(self._arrivals_key(attempt), 1)
-        try:
-            info = self._handler.next_rendezvous()
-        except Exception as exc:
-            raise self._join_error(attempt, exc) from exc
-        # torch < 2.4 returns (store, rank, world_size); later a RendezvousInfo.
-        store, node_rank, num_nodes = info if isinstance(info, tuple) else (info.store, info.rank, info.world_size)
-        if num_nodes != self.num_nodes:
-            raise LaunchError(f"the rendezvous at {self._endpoint} formed {num_nodes} nodes, "
-                              f"this node expected num_nodes={self.num_nodes}")
-        self._store = store
-        key = self._prefix + "ranks_store"
-        if node_rank == 0:
-            self._ranks_store, port = host_store(self.addr, self.num_nodes * self._n, self._store_timeout)
-            store.set(key, json.dumps({"addr": self.addr, "port": port, "nproc": self._n}))
-        try:
-            store.wait([key], datetime.timedelta(seconds=self._rdzv_timeout))
-            where = json.loads(store.get(key))
-        except Exception as exc:
-            raise LaunchError(f"node {node_rank}: node 0 never said where the ranks' store is "
-                              f"({exc})") from exc
-        if where["nproc"] != self._n:
-            raise LaunchError(f"every node must start the same number of ranks: node 0 has "
-                              f"num_processes={where['nproc']}, node {node_rank} has {self._n}")
-        return Placement(node_rank, num_nodes, self._n, where["addr"], where["port"])
-
-    def _make_handler(self):
+    def _connect(self, deadline: float) -> None:
+        """``_raw``: this node's client of the endpoint's store (or the store, hosted here); c10d: the handler."""
+        import torch.distributed as dist
         from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+        host, port = parse_rendezvous_endpoint(self._endpoint, -1)
         timeout = int(max(1, round(self._rdzv_timeout)))
+        # Clients connect within CLOSE_WAIT_S (no wait for a host gone since it listened); ops time out as before.
+        connect, ops = datetime.timedelta(seconds=CLOSE_WAIT_S), datetime.timedelta(seconds=max(60, timeout))
+        if self._backend == "static":  # node 0 hosts the endpoint, as with torch's static rendezvous
+            if self._node_rank != 0:
+                self._wait_listening(host, port, deadline)
+            self._raw = dist.TCPStore(host, port, None, self._node_rank == 0, connect, wait_for_workers=False,
+                                      multi_tenant=True)
+            self._raw.set_timeout(datetime.timedelta(seconds=timeout))
+            return
         params = RendezvousParameters(
             backend=self._backend, endpoint=self._endpoint, run_id=self._run_id,
             min_nodes=self.num_nodes, max_nodes=self.num_nodes,
-            # Given, so torch never falls back to socket.getfqdn() (a DNS
-            # lookup that stalls on a machine without a resolver).
-            local_addr=self.addr,
-            join_timeout=timeout, last_call_timeout=1, timeout=timeout,
-            read_timeout=max(60, timeout), **({"rank": self._node_rank} if self._node_rank is not None else {}))
-        if self._backend == "static":
-            from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
-
-            return create_rdzv_handler(params)
-        # The registry's c10d factory, in its two public steps, so that
-        # nblaunch keeps the backend store to count arrivals on.
+            # local_addr given: torch never falls back to socket.getfqdn() (a DNS lookup, stalls without resolver)
+            local_addr=self.addr, join_timeout=timeout, last_call_timeout=1, close_timeout=int(CLOSE_WAIT_S),
+            read_timeout=int(CLOSE_WAIT_S), **({"rank": self._node_rank} if self._node_rank is not None else {}))
+        # The registry's c10d factory, in its two public steps: nblaunch keeps the backend's store.
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-        # torch decides who hosts the endpoint's store by matching the host
-        # name; a node addressed by a plain interface address (no DNS entry)
-        # would never host it and every node would wait as a client. So:
-        # host it when the endpoint is one of this machine's addresses, and
-        # fall back to a client when another launcher here already does.
-        host = self._endpoint.rpartition(":")[0].strip("[]")
+        # torch picks the host by name, which a plain interface address (no DNS entry) never matches:
+        # hosted here when the endpoint is one of this machine's addresses, unless a launcher here does.
         for is_host in ([True, False] if _is_local(host) else [False]):
             params.config["is_host"] = is_host
+            if not is_host:
+                self._wait_listening(host, port, deadline)
             try:
-                backend, self._raw = create_backend(params)
+                rdzv, raw = create_backend(params)
                 break
             except Exception:
                 if not is_host:
                     raise
-        return create_handler(self._raw, backend, params)
+        # The round's store (torch's join ends in a get on it) on a client of its own: close() uses the backend's.
+        rounds = dist.TCPStore(host, port, None, False, connect)
+        raw.set_timeout(ops)
+        rounds.set_timeout(ops)
+        self._handler = create_handler(rounds, rdzv, params)
+        self._rdzv, self._params = rdzv, params
+        self._raw = raw  # last: once it is set, close() finds all it needs to close the rendezvous
 
-    def _arrivals_key(self, attempt: int) -> str:
-        return f"nblaunch/{self._run_id}/arrived/{attempt}"
-
-    def _join_error(self, attempt: int, exc: Exception) -> LaunchError:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        what = f"not every one of the {self.num_nodes} nodes joined"
-        counted = re.search(r"(\d+)/(\d+) clients joined", first)  # the static store's own count
-        if self._raw is not None:
+    def _wait_listening(self, host: str, port: int, deadline: float) -> None:
+        """Until the endpoint's host listens (a plain socket, which says nothing to it)."""
+        while True:
+            wait = min(1.0, max(_SLICE_S, deadline - time.monotonic()))
             try:
-                what = f"{self._raw.add(self._arrivals_key(attempt), 0)} of {self.num_nodes} nodes joined"
-            except Exception:
-                pass
-        elif counted:
-            what = f"{counted[1]} of {counted[2]} nodes joined"
+                return socket.create_connection((host, port), wait).close()
+            except OSError:
+                self._pause(deadline)
+
+    def _static_round(self, deadline: float):
+        """The static rendezvous: whole once every node has counted itself in (``join``)."""
+        from torch.distributed import PrefixStore
+
+        while self._raw.add(self._key("arrived"), 0) < self.num_nodes:
+            self._check_gathering()
+            self._pause(deadline)
+        return PrefixStore(self._run_id, self._raw), self._node_rank, self.num_nodes
+
+    def _check_gathering(self) -> None:
+        """Raise if another node left this attempt before every node's ranks were started."""
+        key = self._key("closed")
+        if self._raw.check([key]):
+            raise LaunchError(f"{self._raw.get(key).decode()} left the rendezvous {self._run_id!r} before every "
+                              "node's ranks started (interrupted, or a failure there): start it again on every node.")
+
+    def _pause(self, deadline: float) -> None:
+        """One slice of a wait: raises once ``close`` was called or ``deadline`` passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"waited {self._rdzv_timeout:g} s")
+        self._closing.wait(min(_SLICE_S, left))
+        self._check_open()
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise LaunchError("the launch ended while its nodes gathered")
+
+    def _arrived(self) -> int:
+        try:
+            return self._raw.add(self._key("arrived"), 0)
+        except Exception:  # not connected, or the store is gone
+            return 0
+
+    def _key(self, what: str) -> str:  # a key of this attempt on the endpoint's store
+        return f"nblaunch/{self._run_id}/{what}/{self._attempt}"
+
+    def _join_error(self, exc: Exception) -> LaunchError:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if type(exc).__name__ == "RendezvousClosedError":
+            return LaunchError(f"the rendezvous {self._run_id!r} was closed before it completed (another node's "
+                               "launch was interrupted, failed or ended): start it again on every node.")
+        what, came = f"not every one of the {self.num_nodes} nodes joined", self._arrived()
+        if came:
+            what = f"{came} of {self.num_nodes} nodes joined"
         elif self._backend == "static" and self._node_rank != 0:
             what = f"node 0, which hosts {self._endpoint}, never answered"
         detail = f" ({type(exc).__name__}: {first})" if first else f" ({type(exc).__name__})"
@@ -256,6 +280,89 @@ class NodeGroup:
             f"the rendezvous {self._run_id!r} at {self._endpoint} ({self._backend}) did not complete "
             f"within {self._rdzv_timeout:g} s: {what}. Start the same launch on every node "
             f"(same rdzv_endpoint, rdzv_id and num_nodes), or raise rdzv_timeout.{detail}")
+
+    def _end_c10d_join(self) -> None:
+        """torch's c10d join polls its state, and ends once that says closed: marked so by a
+        handler of our own (the join's is busy in its thread)."""
+        if self._rdzv is not None:
+            try:
+                from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+                create_handler(self._raw, self._rdzv, self._params).set_closed()
+            except Exception:
+                pass
+
+
+class NodeGroup(_Rendezvous):
+    """Several machines (or several launcher processes) joined through
+    torch.distributed.elastic's rendezvous at ``endpoint``."""
+
+    # -- joining -------------------------------------------------------------
+
+    def join(self, attempt: int) -> Placement:
+        """Rendezvous with the other nodes; blocks up to ``rdzv_timeout``, or until ``close``."""
+        with self._state:
+            self._check_open()
+            self._idle.clear()
+        try:
+            return self._join(attempt)
+        finally:
+            with self._state:
+                self._idle.set()
+                release = self._abandoned
+            if release:
+                self._release()
+
+    def _join(self, attempt: int) -> Placement:
+        self._published = self._lost = self._settled = False
+        self._attempt, self._rank, self._prefix = attempt, None, f"nblaunch/{attempt}/"
+        deadline = time.monotonic() + self._rdzv_timeout
+        try:
+            if self._raw is None:
+                self._connect(deadline)
+            self._raw.add(self._key("arrived"), 1)
+            self._check_open()
+            if self._handler is not None:
+                info = self._handler.next_rendezvous()
+                # torch < 2.4 returns (store, rank, world_size); later a RendezvousInfo.
+                store, node_rank, num_nodes = (info if isinstance(info, tuple)
+                                               else (info.store, info.rank, info.world_size))
+            else:
+                store, node_rank, num_nodes = self._static_round(deadline)
+            self._store, self._rank = store, node_rank  # formed: leaving now, it says so (_release)
+            self._check_open()
+        except LaunchError:
+            raise
+        except Exception as exc:
+            self._check_open()  # closed meanwhile: that, not the error it caused, is what happened
+            raise self._join_error(exc) from exc
+        if num_nodes != self.num_nodes:
+            raise LaunchError(f"the rendezvous at {self._endpoint} formed {num_nodes} nodes, "
+                              f"this node expected num_nodes={self.num_nodes}")
+        key = self._prefix + "ranks_store"
+        if node_rank == 0:
+            self._ranks_store, port = host_store(self.addr, self.num_nodes * self._n, self._store_timeout)
+            store.set(key, json.dumps({"addr": self.addr, "port": port, "nproc": self._n}))
+        where = self._ranks_store_address(store, key, node_rank)
+        if where["nproc"] != self._n:
+            raise LaunchError(f"every node must start the same number of ranks: node 0 has "
+                              f"num_processes={where['nproc']}, node {node_rank} has {self._n}")
+        return Placement(node_rank, num_nodes, self._n, where["addr"], where["port"])
+
+    def _ranks_store_address(self, store, key: str, node_rank: int) -> dict:
+        """Where node 0 hosts the ranks' store, once it says so."""
+        deadline = time.monotonic() + self._rdzv_timeout
+        try:
+            while not store.check([key]):
+                self._check_gathering()
+                self._pause(deadline)
+            self._check_gathering()
+            return json.loads(store.get(key))
+        except LaunchError:
+            raise
+        except Exception as exc:
+            self._check_open()
+            raise LaunchError(f"node {node_rank}: node 0 never said where the ranks' store is ({exc})") from exc
 
     # -- while the ranks run -----------------------------------------------------
 
@@ -295,6 +402,7 @@ class NodeGroup:
         try:
             if succeeded and self._store is not None and not self._lost:
                 failure = self._exit_barrier()
+            self._settled = True
         finally:
             self._ranks_store = None
         return failure
@@ -317,27 +425,57 @@ class NodeGroup:
             self._lost = True
         return None
 
+    # -- leaving -------------------------------------------------------------------
+
     def close(self) -> None:
-        """Leave the rendezvous. The node whose kernel hosts the endpoint's
-        store keeps it up until every node has left (at most
-        ``CLOSE_WAIT_S``): a store that vanishes under a node still using it
-        makes torch print a page of C++ warnings into that node's cell."""
-        handler, self._handler = self._handler, None
-        store, raw = self._store, self._raw
-        self._store = self._raw = self._ranks_store = None
-        if handler is None or store is None or self._lost:
+        """Leave (safe twice): the launch's end, an interrupt's too; a join in flight is ended first."""
+        with self._state:
+            self._closing.set()
+            joining = not self._idle.is_set()
+        if joining:
+            try:
+                # A round every node came to is let complete first (c10d: its nodes wait in it for this one).
+                if self._arrived() >= self.num_nodes:
+                    self._idle.wait(CLOSE_WAIT_S)
+                if not self._idle.is_set():
+                    self._end_c10d_join()
+                self._idle.wait(CLOSE_WAIT_S)
+            finally:  # still joining (where no slice reaches, or interrupted again): it releases at its end
+                with self._state:
+                    self._abandoned = not self._idle.is_set()
+            if self._abandoned:
+                return
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every store; a node leaving before its ranks are done says so, for the others to stop. The
+        endpoint's host keeps its store until every node that came left (at most ``CLOSE_WAIT_S``): a
+        store vanishing under a node makes torch print pages of C++ warnings into its cell."""
+        with self._state:
+            handler, store, raw = self._handler, self._store, self._raw
+            self._handler = self._store = self._raw = self._ranks_store = self._rdzv = self._params = None
+        if raw is None or self._lost:
             return
         try:
-            handler.shutdown()
-            left = store.add("nblaunch/left", 1)
+            if not self._settled:
+                if store is not None and not self._published:
+                    self._published = True
+                    early = RankFailure(self._rank * self._n, "node", time.time(), node=self._rank,
+                                        message="left before its ranks were done (interrupted, or a failure there)")
+                    store.compare_set(self._prefix + "failure", "", to_record(early))
+                who = self._node_rank if self._rank is None else self._rank
+                raw.compare_set(self._key("closed"), "", f"the node at {self.addr}" if who is None else f"node {who}")
+            if handler is not None:
+                handler.shutdown()
+            came = raw.add(self._key("arrived"), 0)
+            left = raw.add(self._key("left"), 1)
             if _hosts_port(self._endpoint):
                 deadline = time.monotonic() + CLOSE_WAIT_S
-                while left < self.num_nodes and time.monotonic() < deadline:
+                while left < came and time.monotonic() < deadline:
                     time.sleep(0.05)
-                    left = store.add("nblaunch/left", 0)
+                    left = raw.add(self._key("left"), 0)
         except Exception:
             pass
-        del raw
 
 
 def _is_local(host: str) -> bool:
