@@ -2,13 +2,14 @@
 from .data import sharded_loader
 from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
+from .postmortem import debug
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
 from .engines.ray import Ray
 from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray"]
+           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray", "debug"]
 __version__ = "0.1.0"
 
 
