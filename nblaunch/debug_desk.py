@@ -41,15 +41,12 @@ def can_answer() -> Optional[Callable[[str], str]]:
 
 
 class DebugDesk:
-    """Prompts from the ranks of one call, answered one rank at a time.
+    """Prompts from the ranks of one call on ``pool``, answered one rank at
+    a time; the rows of ``view`` say which ranks are paused and which wait
+    (``in_call``: the ranks still in the call)."""
 
-    ``label(rank)`` names a rank for the user (``rank 3 on n2``); ``send(rank,
-    answer)`` delivers an ``Answer``; ``rows(paused)`` is told which ranks are
-    paused whenever that changes (the watch redraws the rows)."""
-
-    def __init__(self, label: Callable[[int], str], send: Callable[[int, Answer], object],
-                 rows: Callable[[dict], None], notice: Callable[[str], None]):
-        self._label, self._send, self._rows, self._notice = label, send, rows, notice
+    def __init__(self, pool, view, in_call: Callable[[], list]):
+        self._pool, self._view, self._in_call = pool, view, in_call
         self._prompts: dict[int, Prompt] = {}  # in the order they came
         self.paused: dict[int, str] = {}  # rank -> where it stopped
         self._current: Optional[int] = None
@@ -79,7 +76,7 @@ class DebugDesk:
         if not self.paused:
             self._since = time.monotonic()
         self.paused[rank] = where
-        self._rows(dict(self.paused))
+        self._rows()
 
     def _resume(self, rank: int) -> None:
         if self.paused.pop(rank, None) is None:
@@ -89,12 +86,26 @@ class DebugDesk:
             self._since = None
         if self._current == rank:
             self._current = None
-        self._rows(dict(self.paused))
+        self._rows()
 
     def held(self) -> float:
         """Seconds so far with at least one rank paused in its debugger."""
         ongoing = time.monotonic() - self._since if self._since is not None else 0.0
         return self._held + ongoing
+
+    def _label(self, rank: int) -> str:
+        host = self._pool.host(rank)
+        return f"rank {self._pool.global_rank(rank)}" + (f" on {host}" if host else "")
+
+    def _rows(self) -> None:
+        first = next(iter(self.paused), None)
+        for r in self._in_call():
+            if r in self.paused:
+                self._view.rank_status(r, "paused: in the debugger")
+            elif first is not None:
+                self._view.rank_status(r, f"waiting: {self._label(first)} is in the debugger")
+            else:
+                self._view.rank_status(r, "running")
 
     # -- answering ------------------------------------------------------------------------
 
@@ -105,7 +116,7 @@ class DebugDesk:
             return
         prompt = self._prompts.pop(rank)
         line = self._answer(rank, prompt)
-        self._send(rank, Answer(line))
+        self._pool.send(rank, Answer(line))
         self._current, self._answered_at = rank, time.monotonic()
 
     def _next(self) -> Optional[int]:
@@ -137,7 +148,7 @@ class DebugDesk:
     def _no_front_end(self, rank: int, why: str) -> None:
         if not self._said_no_front_end:
             self._said_no_front_end = True
-            self._notice(f"{self._label(rank)} reached a breakpoint, but no one can answer a debugger here ({why}); "
+            self._view.notice(f"{self._label(rank)} reached a breakpoint, but no one can answer a debugger here ({why}); "
                          "it went on, and breakpoints stay off for the rest of this call. Run the cell from "
                          "JupyterLab, Notebook or a terminal to debug a rank.")
         return None

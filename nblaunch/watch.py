@@ -93,7 +93,7 @@ class CallWatch:
         self._left = LeftEarly()
         self._result_bytes = 0  # results received so far, all ranks
         self.broken: Optional[str] = None  # live ranks: why they cannot be trusted any more
-        self._desk = DebugDesk(self._label, pool.send, self._debug_rows, view.notice)
+        self._desk = DebugDesk(pool, view, self._in_call)
 
     # -- the call ------------------------------------------------------------------
 
@@ -259,22 +259,6 @@ class CallWatch:
             return
         self._publish(failure)
         self._end_elsewhere()
-
-    # -- ranks in their debugger (debug_desk.DebugDesk) ----------------------------
-
-    def _label(self, rank: int) -> str:
-        host = self._pool.host(rank)
-        return f"rank {self._pool.global_rank(rank)}" + (f" on {host}" if host else "")
-
-    def _debug_rows(self, paused: dict) -> None:
-        first = next(iter(paused), None)
-        for r in self._in_call():
-            if r in paused:
-                self._view.rank_status(r, "paused: in the debugger")
-            elif first is not None:
-                self._view.rank_status(r, f"waiting: {self._label(first)} is in the debugger")
-            else:
-                self._view.rank_status(r, "running")
 
     # -- steps live ranks do otherwise (live_watch.LiveCallWatch) -----------------
 

@@ -41,10 +41,12 @@ class RankPlan:
 def pg_timeout_for(timeout: Optional[float]) -> float:
     """Collectives give up a little after a launch (or call) would: its
     timeout then fires first and shows where every rank is, instead of
-    gloo's error."""
+    gloo's error. Never sooner than torch's own default, though: the
+    kernel's timeout stands still while a rank is paused in its debugger
+    (:mod:`nblaunch.debug_desk`), and its peers' collectives cannot be told."""
     if timeout is None:
         return DEFAULT_PG_TIMEOUT_S
-    return min(float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
+    return min(max(float(timeout) + max(10.0, 0.1 * float(timeout)), DEFAULT_PG_TIMEOUT_S), MAX_PG_TIMEOUT_S)
 
 
 def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
