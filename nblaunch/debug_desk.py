@@ -32,7 +32,11 @@ def can_answer() -> Optional[Callable[[str], str]]:
     a script whose stdin is not a terminal, where ``input()`` could wait
     forever on a pipe no one writes to."""
     if in_kernel():
-        return input
+        kernel = getattr(sys.modules["IPython"].get_ipython(), "kernel", None)
+        # ipykernel's record of the running request's allow_stdin (nbclient,
+        # papermill and nbval send False); input() would raise anyway, but
+        # only after the prompt's text was printed for no one.
+        return None if getattr(kernel, "_allow_stdin", True) is False else input
     stdin = sys.stdin
     try:
         return input if stdin is not None and stdin.isatty() else None
@@ -130,7 +134,8 @@ class DebugDesk:
 
     def _answer(self, rank: int, prompt: Prompt) -> Optional[str]:
         if self._ask is None:
-            return self._no_front_end(rank, "this process has no terminal to ask at")
+            why = "this front end sends no input" if in_kernel() else "this process has no terminal to ask at"
+            return self._no_front_end(rank, why)
         label = self._label(rank)
         if rank != self._current:
             waiting = [self._label(r) for r in self._prompts if r != rank]

@@ -5,7 +5,10 @@ stdin channel (a real kernel, driven by jupyter_client with
 after a failure."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -245,3 +248,54 @@ def test_nblaunch_debug_opens_any_failed_rank_and_live_ranks_too(kernel):
     assert s.error["ename"] == "ValueError" and "no Python frames to debug" in s.shown
     s = Session(kernel, []).run("nblaunch.debug(err, rank=5)\n")
     assert s.error["ename"] == "ValueError" and "rank 5 did not fail" in s.shown
+
+
+SCRIPT = (LAUNCH +
+          "def train():\n"
+          "    secret = 40 + dist.get_rank()\n"
+          "    if dist.get_rank() == 1:\n"
+          "        breakpoint()\n"
+          "    dist.all_reduce(torch.ones(1))\n"
+          "    return secret\n"
+          "if __name__ == '__main__':\n"
+          "    print('RESULT', notebook_launcher(train, num_processes=2, display='text'))\n")
+
+
+def test_in_a_terminal_pdb_works_on_the_terminal(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    child = pexpect.spawn(sys.executable, [str(script)], encoding="utf-8", timeout=60, env=_env())
+    try:
+        child.expect(r"rank 1 \(Pdb\) ")
+        child.sendline("p secret")
+        child.expect(r"\r\n41\r\n")
+        child.expect(r"rank 1 \(Pdb\) ")
+        child.sendline("c")
+        child.expect(r"RESULT \[40, 41\]")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_a_script_without_a_terminal_passes_over_breakpoints(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    # stdin an open pipe that no one writes to: input() there would wait forever
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert proc.returncode == 0, out
+    assert "RESULT [40, 41]" in out
+    assert out.count("no one can answer a debugger here") == 1, out
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
