@@ -69,6 +69,8 @@ class DebugDesk:
             if event.paused:
                 self._pause(rank, event.where)
             else:
+                if event.text.strip():
+                    print(f"{self._label(rank)}: {event.text.strip()}", flush=True)
                 self._resume(rank)
 
     def gone(self, rank: int) -> None:

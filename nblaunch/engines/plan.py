@@ -3,6 +3,7 @@ the part of each rank's spec that every rank shares. Decided once per launch
 or live session, from its :class:`~nblaunch.config.LaunchConfig`."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -15,7 +16,8 @@ from ..rank import env as rank_env
 if TYPE_CHECKING:  # the config reaches a plan whole; importing it here would close a circle
     from ..config import LaunchConfig
 
-__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for"]
+__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for",
+           "starting_ranks"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
 #: :mod:`nblaunch.engines.forkserver_guard` to know its kernel by.
@@ -117,11 +119,30 @@ def _preload_forkserver() -> None:
     that never touched CUDA or OpenMP) import torch, so the second and later
     launches do not pay ``import torch`` per rank. Only takes effect if this
     kernel's forkserver is not running yet. The forkserver's guard learns
-    which process is its kernel from :data:`FORKSERVER_STARTER_ENV`."""
-    if sys.platform.startswith("linux"):
-        os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
+    which process is its kernel from :data:`FORKSERVER_STARTER_ENV`
+    (:func:`starting_ranks`)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["nblaunch.engines.forkserver_guard", "nblaunch.rank.worker", "torch", "torch.distributed", "cloudpickle"])
+
+
+@contextlib.contextmanager
+def starting_ranks(method: str):
+    """Around the starts of a generation's processes: the forkserver, which
+    the first start may start, inherits the environment as it is then, and
+    :data:`FORKSERVER_STARTER_ENV` names this kernel in it only meanwhile,
+    so that the kernel's own environment is left as it was."""
+    if method != "forkserver" or not sys.platform.startswith("linux"):
+        yield
+        return
+    before = os.environ.get(FORKSERVER_STARTER_ENV)
+    os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORKSERVER_STARTER_ENV, None)
+        else:
+            os.environ[FORKSERVER_STARTER_ENV] = before
 
 
 def _cuda_initialized() -> bool:

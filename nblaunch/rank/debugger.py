@@ -13,9 +13,11 @@ then goes on, and breakpoints stay off for the rest of its call.
 
 ``Paused`` events frame a session: from the first stop until the user
 continues (``c``) or quits (``q``); meanwhile the kernel holds the call's
-timers and its peers' rows say why they wait. ``q`` ends the session as in
-pdb, with ``BdbQuit`` in the rank, which fails the call and so stops (or,
-for live ranks, interrupts) the others: nobody is left in a collective.
+timers and its peers' rows say why they wait. ``q`` leaves the debugger
+and lets the rank run on, breakpoints off for the rest of its call: pdb's
+``BdbQuit`` would fail the call while its peers wait in a collective, and
+live ranks would then have to be restarted, losing their state. Stopping
+is the stop button's job, as for any launch.
 """
 from __future__ import annotations
 
@@ -64,8 +66,8 @@ class _Desk:
             raise _NoFrontEnd
         return msg.line
 
-    def paused(self, paused: bool, where: str = "") -> None:
-        self.sender.send(Paused(self.rank, paused, where, call=self.call))
+    def paused(self, paused: bool, where: str = "", text: str = "") -> None:
+        self.sender.send(Paused(self.rank, paused, where, call=self.call, text=text))
 
 
 class _Terminal(io.TextIOBase):
@@ -85,9 +87,14 @@ class _Terminal(io.TextIOBase):
         self._held.append(text)
         return len(text)
 
-    def readline(self, size: int = -1) -> str:
+    def take(self) -> str:
+        """What pdb printed since it last read."""
         text = "".join(self._held)
         self._held.clear()
+        return text
+
+    def readline(self, size: int = -1) -> str:
+        text = self.take()
         head, newline, prompt = text.rpartition("\n")
         return self._desk.ask(head + newline, prompt) + "\n"
 
@@ -98,7 +105,7 @@ class RankPdb(pdb.Pdb):
     barrier, so that ``n`` stops at the user's next line, after it)."""
 
     def __init__(self, desk: _Desk, on_resume: Optional[Callable[[], None]] = None, **kwargs):
-        terminal = _Terminal(desk)
+        self._terminal = terminal = _Terminal(desk)
         # nosigint: a live rank's interrupts are SIGINT, and nblaunch's.
         super().__init__(stdin=terminal, stdout=terminal, nosigint=True, **kwargs)
         self.use_rawinput = False
@@ -128,7 +135,7 @@ class RankPdb(pdb.Pdb):
     def _session_over(self) -> None:
         if self._in_session:
             self._in_session = False
-            self._desk.paused(False)
+            self._desk.paused(False, text=self._terminal.take())
 
     def set_step(self):
         self._resuming()
@@ -151,10 +158,17 @@ class RankPdb(pdb.Pdb):
         super().set_continue()
         self._session_over()
 
-    def set_quit(self):
-        self._resuming()
-        super().set_quit()
-        self._session_over()
+    def do_quit(self, arg):
+        """q(uit): leave the debugger; this rank runs on, its breakpoints
+        off until its next call (the stop button stops the launch)."""
+        self._desk.off_in_call = self._desk.call
+        self.message("rank runs on without the debugger; its breakpoints are off for the rest of this call "
+                     "(the stop button stops the launch)")
+        self.clear_all_breaks()
+        self.set_continue()
+        return 1
+
+    do_q = do_exit = do_quit
 
 
 def install(sender, go, rank: int) -> None:

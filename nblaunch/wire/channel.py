@@ -165,6 +165,7 @@ class Paused:
     paused: bool
     where: str = ""  # ``file:line in function`` where it stopped
     call: int = 0
+    text: str = ""  # ending: what the debugger printed after its last prompt
 
 
 @dataclass(frozen=True)
