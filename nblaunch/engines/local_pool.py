@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import selectors
 import signal
 import threading
 import time
@@ -20,15 +21,21 @@ from ..errors import LaunchError
 from ..logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
 from ..rank.worker import WorkerSpec, run_worker
-from ..wire.channel import Interrupt, Started, decode
+from ..wire.channel import ROUTINE, EventReader, Interrupt, Started
 from .nodes import Nodes, Placement
 from .output import RankOutput
 from .plan import starting_ranks
-from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
+from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Message, PoolEvent, RankFacts, RankPool, Rewriting
 from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
-__all__ = ["LocalPool"]
+__all__ = ["LocalPool", "BATCH_S"]
+
+# Routine traffic (bars, metrics, output) is gathered this long after the
+# last poll that returned some: the watch then wakes at most 1 / BATCH_S
+# times a second for it, whatever the number of ranks. Anything else (a
+# result, a failure, an exit, a prompt) returns at once.
+BATCH_S = 0.05
 
 
 @dataclass(kw_only=True)
@@ -38,12 +45,11 @@ class _Proc(RankFacts):
     spec: WorkerSpec
     proc: Any
     go: Connection
-    events: Connection
+    events: EventReader
     output: RankOutput
     # Every process of its tree nblaunch has seen: a child that outlives
     # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
     tree: dict = field(default_factory=dict)
-    events_open: bool = True
 
 
 class LocalPool(RankPool):
@@ -70,6 +76,8 @@ class LocalPool(RankPool):
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
         self._zygote: Optional[Zygote] = None
         self._method = plan.method
+        self._handles: Optional[_Handles] = None  # every rank's pipes, once all are started
+        self._returned_at = 0.0  # when a poll last returned something
         forks_by_zygote = zygote_usable(plan.method)
         try:
             for local in range(self.size):
@@ -107,8 +115,8 @@ class LocalPool(RankPool):
         proc = None if not own_process else ctx.Process(
             target=run_worker, args=(spec, job, go_r, ev_w, out_w), name=f"nblaunch-rank{local}", daemon=False)
         tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-        self._procs.append(_Proc(spec=spec, proc=proc, go=go_w, events=ev_r, output=RankOutput(local, out_r, tail),
-                                 tail=tail))
+        self._procs.append(_Proc(spec=spec, proc=proc, go=go_w, events=EventReader(ev_r),
+                                 output=RankOutput(local, out_r, tail), tail=tail))
 
     # -- starting ----------------------------------------------------------------
 
@@ -164,40 +172,62 @@ class LocalPool(RankPool):
 
     def poll(self, timeout: float, also: tuple = ()) -> list[PoolEvent]:
         """What happened within ``timeout``; ``also``: more handles whose
-        readiness ends the wait (a node agent's connection to the kernel)."""
-        handles: dict[Any, tuple[_Proc, Callable]] = {}
-        for p in self._procs:
-            if p.exited or p.proc.pid is None:
-                continue
-            if p.events_open:
-                handles[p.events] = (p, self._read_events)
-            if p.output.open:
-                handles[p.output.conn] = (p, lambda p, out: p.output.read(out))
-            handles[p.proc.sentinel] = (p, self._read_exit)
-        out: list[PoolEvent] = []
-        if not handles and not also:
+        readiness ends the wait (a node agent's connection to the kernel).
+
+        The rank's pipes stay in one selector for the pool's life (a
+        selector made per poll cost the kernel work in proportion to the
+        ranks on every wake). Routine traffic alone is held until
+        ``BATCH_S`` after the last poll that returned some, so that it
+        comes in batches; an exit or ``also`` ends the hold."""
+        handles = self._handles_for(also)
+        if handles is None:
             time.sleep(timeout)
-            return out
-        for ready in wait(list(handles) + list(also), timeout=timeout):
-            if ready not in handles:
-                continue
-            p, read = handles[ready]
-            if not p.exited:
-                read(p, out)
+            return []
+        out: list[PoolEvent] = []
+        try:
+            self._read_ready(handles, handles.all.select(timeout), out)
+            if out and all(_routine(item) for item in out):
+                hold = self._returned_at + BATCH_S - time.monotonic()
+                if hold > 0:  # a routine batch came a moment ago: wait for anything urgent, then take the rest
+                    handles.urgent.select(hold)
+                    self._read_ready(handles, handles.all.select(0), out)
+        finally:
+            if handles.once:
+                handles.close()
+        if out:
+            self._returned_at = time.monotonic()
         return out
 
+    def _handles_for(self, also: tuple) -> Optional["_Handles"]:
+        if self._handles is None and self._procs and all(p.proc.pid is not None for p in self._procs):
+            self._handles = _Handles(self._procs, self._read_events, self._read_exit)
+        if self._handles is None:  # a start that did not finish: the ranks that did start, this once
+            live = [p for p in self._procs if p.proc.pid is not None and not p.exited]
+            if not live and not also:
+                return None
+            handles = _Handles(live, self._read_events, self._read_exit, open_only=True)
+            handles.watch_also(also)
+            handles.once = True
+            return handles
+        self._handles.watch_also(also)
+        return self._handles
+
+    def _read_ready(self, handles: "_Handles", ready: list, out: list) -> None:
+        # The stop button's KeyboardInterrupt waits until what was read is
+        # kept: one landing between a read and its use would lose part of a
+        # rank's stream (seen on live ranks: a rank's report lost).
+        with InterruptsDeferred():
+            for key, _ in ready:
+                if key.data is None:  # one of ``also``
+                    continue
+                p, read = key.data
+                if not p.exited:
+                    read(p, out)
+                if p.exited or not p.events.open or not p.output.open:
+                    handles.forget(p)
+
     def _read_events(self, p: _Proc, out: list) -> None:
-        while p.events_open and p.events.poll(0):
-            # The stop button's KeyboardInterrupt waits until the message is
-            # read whole: one landing between a message's length and its
-            # body would leave the rest of the rank's stream unreadable
-            # (seen on live ranks: a rank's report lost after an interrupt).
-            with InterruptsDeferred():
-                try:
-                    event = decode(p.events.recv_bytes())
-                except (EOFError, OSError):
-                    p.events_open = False
-                    return
+        for event in p.events.read():
             if isinstance(event, Started):
                 p.started = True
             out.append(Message(p.spec.local_rank, event))
@@ -319,6 +349,9 @@ class LocalPool(RankPool):
         return out
 
     def _close_pipes(self) -> None:
+        if self._handles is not None:
+            self._handles.close()
+            self._handles = None
         if self._zygote is not None:
             self._zygote.close()  # closes its ranks' sentinels too
             # Reaped on the thread that forked it, which makes every other
@@ -331,7 +364,7 @@ class LocalPool(RankPool):
             if p.proc is not None and p.proc.pid is not None and p.proc.exitcode is not None:
                 p.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it
             p.go.close()
-            p.events.close()
+            p.events.conn.close()
             p.output.close()
         for end in self._ends:
             end.close()
@@ -340,6 +373,53 @@ class LocalPool(RankPool):
         self._no_more_starts.set()
         self._close_pipes()
         release_launch_dir(self.log_dir)
+
+
+def _read_output(p: _Proc, out: list) -> None:
+    p.output.read(out)
+
+
+def _routine(item: PoolEvent) -> bool:
+    return isinstance(item, (Lines, Rewriting)) or (isinstance(item, Message) and isinstance(item.event, ROUTINE))
+
+
+class _Handles:
+    """Two selectors over a pool's pipes: ``all`` (events, output, exits and
+    ``also``) and ``urgent`` (exits and ``also``: what ends a hold). A pipe
+    leaves both once it ended (it would be ready forever)."""
+
+    once = False  # made for one poll (a start that did not finish)
+
+    def __init__(self, procs: list, read_events, read_exit, open_only: bool = False):
+        self.all, self.urgent = selectors.DefaultSelector(), selectors.DefaultSelector()
+        self._also: set = set()
+        for p in procs:
+            if not open_only or p.events.open:
+                self.all.register(p.events.fileno, selectors.EVENT_READ, (p, read_events))
+            if not open_only or p.output.open:
+                self.all.register(p.output.conn.fileno(), selectors.EVENT_READ, (p, _read_output))
+            self.all.register(p.proc.sentinel, selectors.EVENT_READ, (p, read_exit))
+            self.urgent.register(p.proc.sentinel, selectors.EVENT_READ)
+
+    def watch_also(self, also: tuple) -> None:
+        for handle in set(also) - self._also:
+            self.all.register(handle, selectors.EVENT_READ, None)
+            self.urgent.register(handle, selectors.EVENT_READ)
+        for handle in self._also - set(also):
+            self.all.unregister(handle)
+            self.urgent.unregister(handle)
+        self._also = set(also)
+
+    def forget(self, p) -> None:
+        for fd, gone in ((p.events.fileno, not p.events.open or p.exited),
+                         (p.output.conn.fileno(), not p.output.open or p.exited), (p.proc.sentinel, p.exited)):
+            for selector in (self.all, self.urgent):
+                if gone and fd in selector.get_map():
+                    selector.unregister(fd)
+
+    def close(self) -> None:
+        self.all.close()
+        self.urgent.close()
 
 
 def _interrupt(p: _Proc, how: str) -> bool:

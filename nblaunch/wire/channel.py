@@ -13,14 +13,18 @@ only types it knows plus what the rank's own result/exception contains.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import select
+import struct
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
 __all__ = ["RELEASE", "CLOSE", "Interrupt", "Call", "Answer", "Started", "Result", "Failure", "Progress", "Metrics",
-           "GpuMemory", "Stopping", "Phase", "Prompt", "Paused", "Event", "EventSender", "decode"]
+           "GpuMemory", "Stopping", "Phase", "Prompt", "Paused", "Event", "EventSender", "EventReader", "decode",
+           "ROUTINE"]
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,87 @@ class EventSender:
             self._conn.send_bytes(data)
 
 
+_EVENTS = (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused)
+#: What a rank reports as it goes (its bars, metrics, GPU memory): the view
+#: wants the latest, and nothing waits on it. Every other event decides
+#: something (a result, a failure, a debugger prompt) and is read at once.
+ROUTINE = (Progress, Metrics, GpuMemory)
+
+
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused)):
+    if not isinstance(event, _EVENTS):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event
+
+
+_SIZE = struct.Struct("!i")
+_LARGE = struct.Struct("!Q")
+READ_BYTES = 1 << 20
+
+
+class EventReader:
+    """The kernel's end of a rank's event pipe, read without blocking:
+    ``read()`` returns every event whole in the pipe now, in one or a few
+    system calls however many there are (a ``Connection.recv_bytes`` per
+    event, with a poll before each, cost the kernel a selector per event).
+
+    The frames are ``multiprocessing.connection.Connection``'s
+    (``send_bytes``: a signed 4-byte big-endian length, or -1 and an
+    8-byte one), so the rank's side stays a plain ``Connection``. A frame
+    still being written stays in the buffer until it is whole."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.fileno = self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._buffer = bytearray()
+        self.open = True
+
+    def read(self) -> list[Event]:
+        """The events now in the pipe; ``open`` is False once the rank's end
+        closed. A frame begun is read to its end (a large result), as
+        ``recv_bytes`` would: the rank is writing the rest."""
+        events: list[Event] = []
+        while self.open:
+            try:
+                data = os.read(self._fd, READ_BYTES)
+            except BlockingIOError:
+                if not self._buffer:
+                    break
+                _readable(self._fd, 1.0)
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.open = False
+                break
+            self._buffer += data
+            self._frames(events)
+            if len(data) < READ_BYTES and not self._buffer:
+                break
+        return events
+
+    def _frames(self, events: list) -> None:
+        """Decode the whole frames in the buffer; keep what follows them."""
+        buf, at = self._buffer, 0
+        with memoryview(buf) as view:
+            while len(buf) - at >= _SIZE.size:
+                size, head = _SIZE.unpack_from(buf, at)[0], at + _SIZE.size
+                if size == -1:
+                    if len(buf) - head < _LARGE.size:
+                        break
+                    size, head = _LARGE.unpack_from(buf, head)[0], head + _LARGE.size
+                if len(buf) < head + size:
+                    break
+                with view[head:head + size] as body:
+                    events.append(decode(body))
+                at = head + size
+        if at:
+            del buf[:at]
+
+
+def _readable(fd: int, timeout: float) -> None:
+    poller = select.poll()  # not select.select: a kernel with many ranks has descriptors past FD_SETSIZE
+    poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)
