@@ -13,6 +13,7 @@ memory is flagged when the machine's available memory falls under
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -62,7 +63,7 @@ class Sampler:
         if now - self._last < INTERVAL_S:
             return None
         self._last = now
-        children = _children_by_parent()  # one scan of the process table for every rank
+        children = _children_of(list(pids.values()))
         usage = {}
         for rank, pid in pids.items():
             cpu = rss = 0.0
@@ -109,6 +110,30 @@ class Sampler:
             return device, int(memory.used), int(memory.total), int(util)
         except Exception:
             return None
+
+
+def _children_of(pids: list[int]) -> dict[int, list[int]]:
+    """Parent pid -> its children's, for the trees under ``pids``: from
+    Linux's ``/proc/PID/task/TID/children``, whose cost grows with the
+    ranks' trees rather than with every process on the machine (a scan of
+    the process table took 70 ms a sample on a busy machine); else that scan."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        return _children_by_parent()
+    children: dict[int, list[int]] = {}
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        found: list[int] = []
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    found += map(int, f.read().split())
+        except OSError:  # it ended while it was read: so did its part of the tree
+            pass
+        if found:
+            children[pid] = found
+            todo += found
+    return children
 
 
 def _children_by_parent() -> dict[int, list[int]]:

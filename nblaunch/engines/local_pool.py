@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import os
-import selectors
 import signal
 import threading
 import time
@@ -21,21 +20,17 @@ from ..errors import LaunchError
 from ..logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
 from ..rank.worker import WorkerSpec, run_worker
-from ..wire.channel import ROUTINE, EventReader, Interrupt, Started
+from ..wire.channel import EventReader, Interrupt, Started
 from .nodes import Nodes, Placement
 from .output import RankOutput
 from .plan import starting_ranks
-from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Lines, Message, PoolEvent, RankFacts, RankPool, Rewriting
+from .pipes import PoolPipes
+from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
 from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
-__all__ = ["LocalPool", "BATCH_S"]
+__all__ = ["LocalPool"]
 
-# Routine traffic (bars, metrics, output) is gathered this long after the
-# last poll that returned some: the watch then wakes at most 1 / BATCH_S
-# times a second for it, whatever the number of ranks. Anything else (a
-# result, a failure, an exit, a prompt) returns at once.
-BATCH_S = 0.05
 
 
 @dataclass(kw_only=True)
@@ -76,8 +71,7 @@ class LocalPool(RankPool):
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
         self._zygote: Optional[Zygote] = None
         self._method = plan.method
-        self._handles: Optional[_Handles] = None  # every rank's pipes, once all are started
-        self._returned_at = 0.0  # when a poll last returned something
+        self._pipes: Optional[PoolPipes] = None  # every rank's pipes, once all are started
         forks_by_zygote = zygote_usable(plan.method)
         try:
             for local in range(self.size):
@@ -173,58 +167,21 @@ class LocalPool(RankPool):
     def poll(self, timeout: float, also: tuple = ()) -> list[PoolEvent]:
         """What happened within ``timeout``; ``also``: more handles whose
         readiness ends the wait (a node agent's connection to the kernel).
-
-        The rank's pipes stay in one selector for the pool's life (a
-        selector made per poll cost the kernel work in proportion to the
-        ranks on every wake). Routine traffic alone is held until
-        ``BATCH_S`` after the last poll that returned some, so that it
-        comes in batches; an exit or ``also`` ends the hold."""
-        handles = self._handles_for(also)
-        if handles is None:
+        Routine traffic comes in batches (:class:`~nblaunch.engines.pipes.PoolPipes`)."""
+        if self._pipes is None and self._procs and all(p.proc.pid is not None for p in self._procs):
+            self._pipes = PoolPipes(self._procs, self._read_events, self._read_exit)
+        if self._pipes is not None:
+            return self._pipes.poll(timeout, also)
+        # A start that did not finish: the ranks that did start, this once.
+        live = [p for p in self._procs if p.proc.pid is not None and not p.exited]
+        if not live and not also:
             time.sleep(timeout)
             return []
-        out: list[PoolEvent] = []
+        pipes = PoolPipes(live, self._read_events, self._read_exit, open_only=True)
         try:
-            self._read_ready(handles, handles.all.select(timeout), out)
-            if out and all(_routine(item) for item in out):
-                hold = self._returned_at + BATCH_S - time.monotonic()
-                if hold > 0:  # a routine batch came a moment ago: wait for anything urgent, then take the rest
-                    handles.urgent.select(hold)
-                    self._read_ready(handles, handles.all.select(0), out)
+            return pipes.poll(timeout, also)
         finally:
-            if handles.once:
-                handles.close()
-        if out:
-            self._returned_at = time.monotonic()
-        return out
-
-    def _handles_for(self, also: tuple) -> Optional["_Handles"]:
-        if self._handles is None and self._procs and all(p.proc.pid is not None for p in self._procs):
-            self._handles = _Handles(self._procs, self._read_events, self._read_exit)
-        if self._handles is None:  # a start that did not finish: the ranks that did start, this once
-            live = [p for p in self._procs if p.proc.pid is not None and not p.exited]
-            if not live and not also:
-                return None
-            handles = _Handles(live, self._read_events, self._read_exit, open_only=True)
-            handles.watch_also(also)
-            handles.once = True
-            return handles
-        self._handles.watch_also(also)
-        return self._handles
-
-    def _read_ready(self, handles: "_Handles", ready: list, out: list) -> None:
-        # The stop button's KeyboardInterrupt waits until what was read is
-        # kept: one landing between a read and its use would lose part of a
-        # rank's stream (seen on live ranks: a rank's report lost).
-        with InterruptsDeferred():
-            for key, _ in ready:
-                if key.data is None:  # one of ``also``
-                    continue
-                p, read = key.data
-                if not p.exited:
-                    read(p, out)
-                if p.exited or not p.events.open or not p.output.open:
-                    handles.forget(p)
+            pipes.close()
 
     def _read_events(self, p: _Proc, out: list) -> None:
         for event in p.events.read():
@@ -349,9 +306,9 @@ class LocalPool(RankPool):
         return out
 
     def _close_pipes(self) -> None:
-        if self._handles is not None:
-            self._handles.close()
-            self._handles = None
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
         if self._zygote is not None:
             self._zygote.close()  # closes its ranks' sentinels too
             # Reaped on the thread that forked it, which makes every other
@@ -373,53 +330,6 @@ class LocalPool(RankPool):
         self._no_more_starts.set()
         self._close_pipes()
         release_launch_dir(self.log_dir)
-
-
-def _read_output(p: _Proc, out: list) -> None:
-    p.output.read(out)
-
-
-def _routine(item: PoolEvent) -> bool:
-    return isinstance(item, (Lines, Rewriting)) or (isinstance(item, Message) and isinstance(item.event, ROUTINE))
-
-
-class _Handles:
-    """Two selectors over a pool's pipes: ``all`` (events, output, exits and
-    ``also``) and ``urgent`` (exits and ``also``: what ends a hold). A pipe
-    leaves both once it ended (it would be ready forever)."""
-
-    once = False  # made for one poll (a start that did not finish)
-
-    def __init__(self, procs: list, read_events, read_exit, open_only: bool = False):
-        self.all, self.urgent = selectors.DefaultSelector(), selectors.DefaultSelector()
-        self._also: set = set()
-        for p in procs:
-            if not open_only or p.events.open:
-                self.all.register(p.events.fileno, selectors.EVENT_READ, (p, read_events))
-            if not open_only or p.output.open:
-                self.all.register(p.output.conn.fileno(), selectors.EVENT_READ, (p, _read_output))
-            self.all.register(p.proc.sentinel, selectors.EVENT_READ, (p, read_exit))
-            self.urgent.register(p.proc.sentinel, selectors.EVENT_READ)
-
-    def watch_also(self, also: tuple) -> None:
-        for handle in set(also) - self._also:
-            self.all.register(handle, selectors.EVENT_READ, None)
-            self.urgent.register(handle, selectors.EVENT_READ)
-        for handle in self._also - set(also):
-            self.all.unregister(handle)
-            self.urgent.unregister(handle)
-        self._also = set(also)
-
-    def forget(self, p) -> None:
-        for fd, gone in ((p.events.fileno, not p.events.open or p.exited),
-                         (p.output.conn.fileno(), not p.output.open or p.exited), (p.proc.sentinel, p.exited)):
-            for selector in (self.all, self.urgent):
-                if gone and fd in selector.get_map():
-                    selector.unregister(fd)
-
-    def close(self) -> None:
-        self.all.close()
-        self.urgent.close()
 
 
 def _interrupt(p: _Proc, how: str) -> bool:

@@ -6,7 +6,7 @@ import math
 
 from .state import RankState
 
-__all__ = ["PALETTE", "PART", "STATE_COLOR", "bar_row", "fraction", "svg_chart",
+__all__ = ["PALETTE", "PART", "MONO", "STATE_COLOR", "bar_row", "fraction", "svg_chart",
            "log_ticks", "nice_ticks", "tick_label"]
 
 #: A bar's colour by its status (``RankState.status``, or a run's state for the
@@ -18,12 +18,11 @@ STATE_COLOR = {"failed": "#c62828", "stopped": "#8a8a8a", "interrupted": "#ef6c0
 def fraction(r: RankState) -> float:
     """How full a rank's bar is, 0..1: ``n / total`` (clipped at 1); a rank
     with no total is empty until it finishes, then full."""
-    if r.total:
-        return min(1.0, r.n / r.total)
-    return 1.0 if r.status == "finished" else 0.0
+    return r.fraction
 
 
 _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:90%"
+MONO = _MONO  #: the style of a row's monospaced text
 
 
 def bar_row(label: str, fraction: float, status: str, text: str, warn: bool = False) -> str:

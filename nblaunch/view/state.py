@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .many import MANY_ABOVE, StepBands, StragglerWatch, overview
+
 __all__ = ["BarState", "RankState", "LaunchState", "clip"]
 
 MAX_RATE = 10.0
@@ -19,7 +21,8 @@ LOG_TAIL = 40  # lines kept for the text summary and failure reports
 PAGE_LINES = 100  # the widget's log pane: lines per page (only the newest page is re-sent)
 MAX_PAGES = 50  # ... and pages kept (5,000 lines; the log files keep everything)
 MAX_LINE_CHARS = 2000  # longer lines are shortened in the view, never in the log file
-AGGREGATE_ABOVE = 16
+AGGREGATE_ABOVE = MANY_ABOVE
+MANY_POINTS = 100  # per rank and metric above MANY_ABOVE ranks: the band holds the run (view/many.py)
 STILL_AFTER_S = 10.0  # a running rank's row says how long since its last step after this long
 TEXT_TAIL_LINES = 20  # of the ranks' output, what the final text/plain keeps
 
@@ -70,9 +73,9 @@ class RankState:
         """The bar the row shows: the newest open one (the inner loop of
         epoch + batch bars), else the one that closed last (the outer loop,
         which closes after its inner one)."""
-        open_bars = [b for b in self.bars.values() if not b.closed]
-        if open_bars:
-            return open_bars[-1]
+        for bar in reversed(self.bars.values()):
+            if not bar.closed:
+                return bar
         return max(self.bars.values(), key=lambda b: b.reported_at, default=None)
 
     @property
@@ -86,6 +89,15 @@ class RankState:
     @property
     def total(self) -> Optional[float]:
         return self.current.total if self.current else None
+
+    @property
+    def fraction(self) -> float:
+        """How full its bar is, 0..1: ``n / total`` (clipped at 1); a rank
+        with no total is empty until it finishes, then full."""
+        bar = self.current
+        if bar is not None and bar.total:
+            return min(1.0, bar.n / bar.total)
+        return 1.0 if self.status == "finished" else 0.0
 
     @property
     def desc(self) -> str:
@@ -141,6 +153,8 @@ class LaunchState:
         self.t0 = time.monotonic()
         self.ranks: list[RankState] = []
         self.series: dict[str, dict[int, list]] = collections.defaultdict(dict)
+        self.bands: dict[str, StepBands] = {}  # above MANY_ABOVE ranks: each metric's median and band
+        self.stragglers = StragglerWatch()
         self.tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
         self.notices: list[str] = []
         self.changed = True
@@ -223,24 +237,56 @@ class LaunchState:
         bar.postfix = getattr(event, "postfix", "")
         self.changed = True
 
+    @property
+    def many(self) -> bool:
+        """Too many ranks for a row each: the view shows an overview (view/many.py)."""
+        return len(self.ranks) > MANY_ABOVE
+
     def metrics(self, event) -> None:
         r = self.ranks[event.rank]
+        most = MANY_POINTS if self.many else MAX_POINTS
         for step, _, values in event.points:
             r.metrics.update(values)
             for name, value in values.items():
                 points = self.series[name].setdefault(self.label(event.rank), [])
                 points.append((step, value))
-                if len(points) > MAX_POINTS:  # keep the curve, halve its resolution
+                if len(points) > most:  # keep the curve, halve its resolution
                     del points[::2]
+                if self.many:
+                    band = self.bands.get(name)
+                    if band is None:
+                        band = self.bands[name] = StepBands(len(self.ranks), MAX_POINTS)
+                    band.add(step, value)
         self.changed = True
+
+    def overview(self, now: Optional[float] = None):
+        """The many-rank overview now (``view.many.Overview``); updates the stragglers' record."""
+        hosts = self.hosts or []
+        return overview(self.ranks, time.monotonic() if now is None else now, label=self.label,
+                        host=lambda i: hosts[i] if i < len(hosts) else None, watch=self.stragglers)
 
     def summary(self) -> str:
         now = time.monotonic()
+        if self.many:
+            return _overview_text(self.overview(now), len(self.ranks))
         return " | ".join(r.line(self.row_name(i), now) for i, r in enumerate(self.ranks))
 
     @property
     def has_progress(self) -> bool:
         return any(r.total or r.n or r.metrics for r in self.ranks)
+
+
+def _overview_text(ov, world: int) -> str:
+    """A status line for many ranks: counts, the median, the slowest."""
+    parts = [", ".join(f"{n} {k}" for k, n in ov.counts.items())]
+    if ov.steps is not None:
+        total = f"/{ov.total:.0f}" if ov.total else ""
+        parts.append(f"steps min {ov.steps.lo:.0f} median {ov.steps.mid:.0f} max {ov.steps.hi:.0f}{total}")
+    if ov.rate is not None:
+        parts.append(f"median {ov.rate.mid:.3g} it/s")
+    if ov.stragglers:
+        parts.append("slowest: " + ", ".join(f"rank {s.rank} {s.behind_s:.1f} s behind" for s in ov.stragglers[:3]))
+    return " | ".join(parts)
 
 
 def clip(line: str) -> str:

@@ -9,7 +9,10 @@ from typing import Optional
 from . import ansi
 from .base import View
 from .html import PALETTE, PART, STATE_COLOR, bar_row, fraction, svg_chart
-from .state import AGGREGATE_ABOVE, MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
+from .many_html import many_rows
+from .state import MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
+
+MANY_RATE = 4.0  # redraws a second of the many-rank overview
 
 __all__ = ["WidgetDisplay"]
 
@@ -40,6 +43,7 @@ class WidgetDisplay(View):
         self._show_at: Optional[float] = None
         self.box = None
         self._last_draw = 0.0
+        self._rows_at = 0.0  # when the rows and charts were last drawn
         self._new_lines: list[str] = []  # HTML lines not yet on a page
         self._page_lines: list[str] = []  # the newest page's HTML lines
         self._pages: list = []  # page widgets, oldest first
@@ -138,7 +142,11 @@ class WidgetDisplay(View):
         st = self.state
         lines = [f"{st.title}: {st.state} | {st.where}, {st.method}, {st.backend or 'no process group'}, "
                  f"{st.elapsed():.1f} s"]
-        lines += [f"  {r.line(st.row_name(i))}" for i, r in enumerate(st.ranks)]
+        if st.many:
+            lines.append(f"  {st.summary()}")
+            lines += [f"  {r.line(st.row_name(i))}" for i, r in enumerate(st.ranks) if r.status == "failed"][:8]
+        else:
+            lines += [f"  {r.line(st.row_name(i))}" for i, r in enumerate(st.ranks)]
         lines += [f"  {notice}" for notice in st.notices[-3:]]
         if st.tail:  # terminal readers (jupyter execute, papermill, nbval, a diff) see what ranks printed
             shown = list(st.tail)[-TEXT_TAIL_LINES:]
@@ -168,18 +176,18 @@ class WidgetDisplay(View):
         self._draw_log()
         if not st.changed:
             return
+        if st.many and st.state in ("starting", "running") and self._last_draw - self._rows_at < 1.0 / MANY_RATE:
+            return  # an overview costs the world's size to compute: a few times a second is enough to read
+        self._rows_at = self._last_draw
         st.changed = False
-        rows = [bar_row(st.row_name(i), fraction(r), r.status, r.detail(sep=PART),
-                         warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
-                for i, r in enumerate(st.ranks)]
-        if len(st.ranks) > AGGREGATE_ABOVE:  # many ranks: one bar, detail on demand
-            mean = sum(fraction(r) for r in st.ranks) / len(st.ranks)
-            done = sum(r.status == "finished" for r in st.ranks)
-            status = "failed" if any(r.status == "failed" for r in st.ranks) else st.state
-            rows = [bar_row("all ranks", mean, status, f"{done}/{len(st.ranks)} finished"),
-                    "<details><summary>per-rank detail</summary>" + "".join(rows) + "</details>"]
-        self.rows.value = "<div class='nblaunch-ranks'>" + "".join(rows) + "</div>"
-        self.chart.value = "".join(svg_chart(name, series) for name, series in list(st.series.items())[:3])
+        if st.many:  # an overview whose size is bounded by the screen (view/many.py)
+            self.rows.value, self.chart.value = many_rows(st)
+        else:
+            self.rows.value = "<div class='nblaunch-ranks'>" + "".join(
+                bar_row(st.row_name(i), fraction(r), r.status, r.detail(sep=PART),
+                        warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
+                for i, r in enumerate(st.ranks)) + "</div>"
+            self.chart.value = "".join(svg_chart(name, series) for name, series in list(st.series.items())[:3])
         dropped = (f"{self._dropped:,} earlier lines are only in the log files; " if self._dropped else "")
         self.footer.value = f"<small>{dropped}full output: <code>{html.escape(st.log_dir)}</code></small>"
 
