@@ -29,6 +29,10 @@ from typing import Any, Optional
 __all__ = ["main", "Placed", "relayable"]
 
 POLL_S = 0.05
+# What the node's ranks report as they go is sent to the kernel at most this
+# often, in one message for the whole node (engines.pipes.coalesce): the
+# kernel's cost then grows with the nodes, not with every rank's reports.
+RELAY_TICK_S = 0.1
 
 
 class Placed:
@@ -82,6 +86,7 @@ class _Agent:
         self.pool = None
         self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
         self._sampler = None
+        self._pending: list = []  # what the ranks sent, not relayed yet (RELAY_TICK_S)
 
     def run(self) -> int:
         from .local_pool import LocalPool
@@ -123,16 +128,24 @@ class _Agent:
         return plan, Placed(setup["placement"]), setup["job"], setup["attempt"]
 
     def _relay(self) -> int:
+        import time
+
+        from .pipes import routine
+
         pool, conn = self.pool, self.conn
+        sent_at = 0.0
         while True:
             items = pool.poll(POLL_S, also=[conn])
             if self.ending is not None:
                 self._send(("bye", self.ending))
                 pool.stop(2.0)
-                self._send(("events", [relayable(i, pool) for i in items + pool.poll(0) + pool.drain()]))
+                self._pending += items + pool.poll(0) + pool.drain()
+                self._flush()
                 return 0
-            if items:
-                self._send(("events", [relayable(i, pool) for i in items]))
+            self._pending += items
+            if any(not routine(i) for i in items) or time.monotonic() - sent_at >= RELAY_TICK_S:
+                self._flush()
+                sent_at = time.monotonic()
             usage = self._sampler.sample(pool.running_pids())
             if usage:
                 self._send(("usage", usage))
@@ -165,11 +178,20 @@ class _Agent:
             self._send(("reply", rid, pool.collectives(locals_)))
         elif kind == "drain":
             (rid,) = args
-            self._send(("events", [relayable(i, pool) for i in pool.drain()]))
+            self._pending += pool.drain()
+            self._flush()
             self._send(("reply", rid, None))
         elif kind == "close":
             return True
         return False
+
+    def _flush(self) -> None:
+        """What the node's ranks sent since the last flush, as one message."""
+        from .pipes import coalesce
+
+        if self._pending:
+            items, self._pending = coalesce(self._pending), []
+            self._send(("events", [relayable(i, self.pool) for i in items]))
 
     def _send(self, message: Any) -> None:
         try:

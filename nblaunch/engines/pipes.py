@@ -16,11 +16,11 @@ import selectors
 import time
 from typing import Callable
 
-from ..wire.channel import ROUTINE
+from ..wire.channel import ROUTINE, Metrics, Progress
 from .pool import Lines, Message, PoolEvent, Rewriting
 from .procs import InterruptsDeferred
 
-__all__ = ["PoolPipes", "BATCH_S", "routine"]
+__all__ = ["PoolPipes", "BATCH_S", "routine", "coalesce"]
 
 BATCH_S = 0.05
 
@@ -28,6 +28,38 @@ BATCH_S = 0.05
 def routine(item: PoolEvent) -> bool:
     """What a rank reports as it goes: the view wants the latest, nothing waits on it."""
     return isinstance(item, (Lines, Rewriting)) or (isinstance(item, Message) and isinstance(item.event, ROUTINE))
+
+
+def coalesce(items: list[PoolEvent]) -> list[PoolEvent]:
+    """``items`` with what a later item makes moot left out: of a rank's
+    bar, only its newest state (a bar's state is whole in each report); of
+    a rank's metrics, one message with all their points. The order of
+    everything else is kept, and no bar's state moves past another event
+    of its rank (a result is never overtaken by a bar it ended)."""
+    out: list = []
+    bars: dict = {}  # (rank, key, call) -> index in out
+    metrics: dict = {}  # (rank, call) -> index in out
+    for item in items:
+        event = item.event if isinstance(item, Message) else None
+        if isinstance(event, Progress):
+            at = bars.get((item.rank, event.key, event.call))
+            if at is not None:
+                out[at] = item
+                continue
+            bars[(item.rank, event.key, event.call)] = len(out)
+        elif isinstance(event, Metrics):
+            at = metrics.get((item.rank, event.call))
+            if at is not None:
+                merged = out[at].event
+                out[at] = Message(item.rank, Metrics(item.rank, merged.points + event.points, event.call))
+                continue
+            metrics[(item.rank, event.call)] = len(out)
+        elif not routine(item):  # a rank's other event: its earlier bars and metrics stay before it
+            for table in (bars, metrics):
+                for k in [k for k in table if k[0] == item.rank]:
+                    del table[k]
+        out.append(item)
+    return out
 
 
 class PoolPipes:

@@ -69,6 +69,9 @@ def _legend(series: dict[int, list], most: int = 8) -> str:
     return "rank" + shown + (" ..." if len(ranks) > most else "")
 
 
+MAX_DRAWN_POINTS = 300  # of a line: a redraw costs the points it draws
+
+
 def svg_chart(name: str, series: dict[int, list], width: int = 420, height: int = 180) -> str:
     """A line per rank, drawn as inline SVG (no plotting library, no custom
     JS), with y-axis values and gridlines; the y-axis is logarithmic when the
@@ -97,6 +100,9 @@ def svg_chart(name: str, series: dict[int, list], width: int = 420, height: int 
         f"fill='currentColor'>{tick_label(t)}</text>" for t in ticks)
     lines = []
     for rank, pts in sorted(series.items()):
+        every = -(-len(pts) // MAX_DRAWN_POINTS)  # a chart is a few hundred pixels wide
+        if every > 1:
+            pts = pts[::every] + ([pts[-1]] if (len(pts) - 1) % every else [])
         path = " ".join(f"{left + (x - x0) * sx:.1f},{y_of(y):.1f}" for x, y in pts if not log_scale or y > 0)
         lines.append(f"<polyline fill='none' stroke='{PALETTE[rank % len(PALETTE)]}' "
                      f"stroke-width='1.5' points='{path}'><title>rank {rank}</title></polyline>")
