@@ -10,7 +10,10 @@ from typing import Optional
 from .html import MONO as _MONO, PART, STATE_COLOR, bar_row, log_ticks, nice_ticks, tick_label
 from .many import Overview, Spread, Straggler
 
-__all__ = ["overview_html", "band_chart", "held_back_text", "many_rows"]
+__all__ = ["overview_html", "band_chart", "held_back_text", "many_rows", "stragglers_note"]
+
+# Table cells apart: the tables are monospaced text, read across.
+_CELLS = "<style>.nblaunch-overview td,.nblaunch-overview th{padding:0 1.2em 0 0;text-align:left}</style>"
 
 _ORDER = ("running", "starting", "paused", "waiting", "finished", "failed", "stopped", "interrupted", "timed out")
 _MAX_CHART_POINTS = 300  # per line: a chart is a few hundred pixels wide
@@ -47,7 +50,7 @@ def overview_html(ov: Overview, state_name: str, world: int, now: Optional[float
     now = time.monotonic() if now is None else now
     counts = " \u00b7 ".join(f"{ov.counts[k]} {k}" for k in _ORDER if ov.counts.get(k)) or f"{world} starting"
     status = "failed" if ov.counts.get("failed") else state_name
-    parts = [f"<div class='nblaunch-overview'><div style='{_MONO}'>{html.escape(counts)}</div>"]
+    parts = [f"<div class='nblaunch-overview'>{_CELLS}<div style='{_MONO}'>{html.escape(counts)}</div>"]
     if ov.progress is not None:
         steps = ""
         if ov.steps is not None:
@@ -158,8 +161,8 @@ def many_rows(st) -> tuple[str, str]:
     ov = st.overview(now)
     shown = [i for i, r in enumerate(st.ranks) if r.status == "failed"][:SHOW_ROWS]
     shown += [s.local for s in ov.stragglers if s.local not in shown][:SHOW_ROWS - len(shown)]
-    rows = "".join(bar_row(st.row_name(i), st.ranks[i].fraction, st.ranks[i].status, st.ranks[i].detail(sep=PART))
-                   for i in shown)
+    rows = "".join(bar_row(f"rank {st.label(i)}", st.ranks[i].fraction, st.ranks[i].status,
+                           st.ranks[i].detail(sep=PART)) for i in shown)
     held = held_back_text(st.stragglers.held_back()) if st.state not in ("starting", "running") else ""
     note = f"<div style='{_MONO};color:#ef6c00'>{html.escape(held)}</div>" if held else ""
     body = overview_html(ov, st.state, len(st.ranks), now) + note
@@ -169,3 +172,19 @@ def many_rows(st) -> tuple[str, str]:
     charts = "".join(band_chart(name, band.rows(), {r: st.series.get(name, {}).get(r, []) for r in slowest})
                      for name, band in list(st.bands.items())[:3])
     return body, charts
+
+
+def stragglers_note(st) -> str:
+    """For a few ranks (a row each): one line naming the slowest while it
+    runs, or, once over, the ranks that held the others back ('' if none)."""
+    if st.state in ("starting", "running"):
+        ov = st.overview()
+        if not ov.stragglers:
+            return ""
+        s = ov.stragglers[0]
+        rate = f", at {s.rate_ratio:.2f}x the median rate" if s.rate_ratio is not None else ""
+        text = (f"slowest: rank {s.rank}{f' ({s.host})' if s.host else ''}, {s.behind_steps:.0f} steps "
+                f"({s.behind_s:.1f} s) behind the median{rate}, for {time.monotonic() - s.since:.0f} s")
+    else:
+        text = held_back_text(st.stragglers.held_back())
+    return f"<div class='nblaunch-slowest' style='{_MONO};color:#ef6c00'>{html.escape(text)}</div>" if text else ""

@@ -9,7 +9,7 @@ from typing import Optional
 from . import ansi
 from .base import View
 from .html import PALETTE, PART, STATE_COLOR, bar_row, fraction, svg_chart
-from .many_html import many_rows
+from .many_html import many_rows, stragglers_note
 from .state import MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
 
 MANY_RATE = 4.0  # redraws a second of the many-rank overview
@@ -183,7 +183,7 @@ class WidgetDisplay(View):
         if st.many:  # an overview whose size is bounded by the screen (view/many.py)
             self.rows.value, self.chart.value = many_rows(st)
         else:
-            self.rows.value = "<div class='nblaunch-ranks'>" + "".join(
+            self.rows.value = stragglers_note(st) + "<div class='nblaunch-ranks'>" + "".join(
                 bar_row(st.row_name(i), fraction(r), r.status, r.detail(sep=PART),
                         warn=r.status == "running" and r.usage is not None and r.usage.memory_low)
                 for i, r in enumerate(st.ranks)) + "</div>"
