@@ -247,6 +247,19 @@ def run(sizes: list[int], reps: int, secs: float, hz: float, pg_max: int) -> dic
     return results
 
 
+def fit(results: dict) -> dict:
+    """The kernel's CPU as ``fixed + per_rank x N`` (least squares over the
+    sizes' medians): what the view and the watch cost whatever the world,
+    and what each reporting rank adds."""
+    sizes = sorted(int(n) for n in results["sizes"])
+    ys = [results["sizes"][str(n)]["median"]["kernel_cpu_share"] * 1000 for n in sizes]  # ms per second
+    mean_x, mean_y = statistics.mean(sizes), statistics.mean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, ys))
+             / (sum((x - mean_x) ** 2 for x in sizes) or 1))
+    return {"fixed_ms_per_s": mean_y - slope * mean_x, "per_rank_ms_per_rank_s": slope,
+            "ranks_per_core": 1000 / slope if slope > 0 else None}
+
+
 def plot(results: dict, path: Path = PLOT) -> None:
     import matplotlib
 
@@ -257,7 +270,10 @@ def plot(results: dict, path: Path = PLOT) -> None:
     med = [results["sizes"][str(n)]["median"] for n in sizes]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     ax = axes[0]
-    ax.plot(sizes, [m["cpu_ms_per_rank_s"] for m in med], "o-", label="nblaunch (widget view)")
+    ax.plot(sizes, [m["cpu_ms_per_rank_s"] for m in med], "o-", label="nblaunch (widget view): all of it")
+    if "fit" in results:
+        ax.axhline(results["fit"]["per_rank_ms_per_rank_s"], color="#2e7d32", lw=1,
+                   label=f"each added rank: {results['fit']['per_rank_ms_per_rank_s']:.2f} ms")
     ax.axhline(1.0, color="#c62828", ls="--", lw=1, label="goal: 1 ms")
     ax.set(xscale="log", xlabel="ranks", ylabel="kernel CPU, ms per rank-second",
            title=f"kernel CPU: every rank reports at {results['hz']:g} Hz")
@@ -298,12 +314,15 @@ def main() -> None:
         plot(json.loads(Path(opts.out).read_text()))
         return
     results = run([int(n) for n in opts.sizes.split(",")], opts.reps, opts.seconds, opts.hz, opts.pg_max)
+    if len(results["sizes"]) > 1:
+        results["fit"] = fit(results)
     Path(opts.out).write_text(json.dumps(results, indent=1))
     try:
         plot(results)
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(json.dumps({n: r["median"] for n, r in results["sizes"].items()}, indent=1))
+    print(json.dumps(results.get("fit"), indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Optional
 
 import psutil
 
-__all__ = ["Usage", "Sampler", "gpu_devices"]
+__all__ = ["Usage", "Sampler", "gpu_devices", "children_of", "tree_of"]
 
 INTERVAL_S = 1.0
 LOW_MEMORY_FRACTION = 0.10
@@ -63,7 +63,7 @@ class Sampler:
         if now - self._last < INTERVAL_S:
             return None
         self._last = now
-        children = _children_of(list(pids.values()))
+        children = children_of(list(pids.values()))
         usage = {}
         for rank, pid in pids.items():
             cpu = rss = 0.0
@@ -112,7 +112,7 @@ class Sampler:
             return None
 
 
-def _children_of(pids: list[int]) -> dict[int, list[int]]:
+def children_of(pids: list[int]) -> dict[int, list[int]]:
     """Parent pid -> its children's, for the trees under ``pids``: from
     Linux's ``/proc/PID/task/TID/children``, whose cost grows with the
     ranks' trees rather than with every process on the machine (a scan of
@@ -134,6 +134,16 @@ def _children_of(pids: list[int]) -> dict[int, list[int]]:
             children[pid] = found
             todo += found
     return children
+
+
+def tree_of(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents before their children."""
+    children = children_of([pid])
+    tree, at = [pid], 0
+    while at < len(tree):
+        tree += children.get(tree[at], [])
+        at += 1
+    return tree
 
 
 def _children_by_parent() -> dict[int, list[int]]:
