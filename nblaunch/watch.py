@@ -160,7 +160,7 @@ class CallWatch:
                 self._view.notice(text)
             self._check_departures(now)
         self._check_others(now)
-        if self._sampler is not None:
+        if self._sampler is not None and self._stop_deadline is None:  # not while the ranks die: slow to read
             usage = self._pool.usage(self._sampler)
             if usage:
                 self._view.resources(usage)

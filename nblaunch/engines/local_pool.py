@@ -26,7 +26,7 @@ from .output import RankOutput
 from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
-from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, write_atomically
+from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, signal_trees, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
@@ -210,12 +210,9 @@ class LocalPool(RankPool):
             return False
 
     def signal(self, sig: int, ranks: list[int]) -> None:
-        for rank in ranks:
-            p = self._procs[rank]
-            # exitcode reaps a rank that died on its own: its death is its own failure.
-            if p.exited or p.proc.pid is None or p.proc.exitcode is not None:
-                continue
-            signal_tree(p.proc.pid, sig, p.tree)
+        # exitcode reaps a rank that died on its own: its death is its own failure.
+        signal_trees([(p.proc.pid, p.tree) for p in (self._procs[r] for r in ranks)
+                      if not (p.exited or p.proc.pid is None or p.proc.exitcode is not None)], sig)
         if sig == signal.SIGKILL:
             self._kill_orphans()
 

@@ -24,7 +24,7 @@ import psutil
 
 from ..resources import tree_of
 
-__all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "write_atomically", "is_running"]
+__all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "signal_trees", "write_atomically", "is_running"]
 
 
 class InterruptsDeferred:
@@ -110,20 +110,36 @@ class Starter:
 def signal_tree(pid: int, sig: int, seen: Optional[dict] = None) -> None:
     """Signal a rank and every process it started (DataLoader workers...),
     noting each in ``seen`` (pid -> psutil.Process)."""
-    procs = []
-    # Not psutil's children(): it reads every process on the machine, for
-    # each rank (a stop of 64 ranks took seconds on a busy machine).
-    for member in tree_of(pid):
+    signal_trees([(pid, seen)], sig)
+
+
+def signal_trees(ranks: list[tuple], sig: int) -> None:
+    """Signal ranks (``(pid, seen)`` each, as ``signal_tree``) and every
+    process they started: every tree is read first, then every process
+    signalled, children before their rank, the ranks in the order given.
+    Once the first rank is signalled, the dying compete with the kernel for
+    the CPUs; reading /proc between signals then took 10 ms a rank."""
+    doomed = []
+    for pid, seen in ranks:
+        # Not psutil's children(): it reads every process on the machine, for each rank.
+        for member in reversed(tree_of(pid)):
+            try:
+                proc = psutil.Process(member)
+            except psutil.Error:
+                continue
+            if seen is not None:
+                proc = seen.setdefault(member, proc)
+            doomed.append(proc)
+    ending = sig in (signal.SIGTERM, signal.SIGKILL)
+    for proc in doomed:
         try:
-            procs.append(psutil.Process(member))
-        except psutil.Error:
-            pass
-    for proc in reversed(procs):
-        if seen is not None:
-            seen.setdefault(proc.pid, proc)
-        try:
-            proc.send_signal(sig)
-        except psutil.Error:
+            if ending:
+                # Hundreds of ranks exiting at once would take the CPUs from
+                # the kernel, which must still kill them after the grace and
+                # give the verdict: the dying go last.
+                os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
+            os.kill(proc.pid, sig)  # named a moment ago by psutil: the same process
+        except OSError:
             pass
 
 
