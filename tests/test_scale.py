@@ -145,6 +145,7 @@ def test_the_final_view_says_which_rank_held_the_others_back():
     st.end("finished")
     body, _ = many_rows(st)
     assert "slowest ranks: rank 5" in body
+    assert "every rank (64)" in body and "rank 63 · n7 finished" in body  # every row, on demand, once it is over
 
 
 # -- a real launch: the kernel's cost per rank-second of reporting ----------------------

@@ -168,6 +168,10 @@ def many_rows(st) -> tuple[str, str]:
     body = overview_html(ov, st.state, len(st.ranks), now) + note
     if rows:
         body += f"<div class='nblaunch-ranks'>{rows}</div>"
+    if st.state not in ("starting", "running"):  # drawn once, at the end: every rank, on demand
+        body += (f"<details class='nblaunch-every-rank'><summary>every rank ({len(st.ranks)})</summary>"
+                 f"<pre style='margin:0;font-size:85%'>" + "\n".join(
+                     html.escape(r.line(st.row_name(i))) for i, r in enumerate(st.ranks)) + "</pre></details>")
     slowest = [st.label(s.local) for s in ov.stragglers[:1]] or [s.rank for s in st.stragglers.held_back(1)]
     charts = "".join(band_chart(name, band.rows(), {r: st.series.get(name, {}).get(r, []) for r in slowest})
                      for name, band in list(st.bands.items())[:3])
