@@ -88,6 +88,11 @@ class WidgetDisplay(View):
         if self._live.pop(rank, None) is not None:
             self._live_changed = True
 
+    def rank_status(self, rank: int, status: str) -> None:
+        super().rank_status(rank, status)
+        if status == "failed":
+            self._rows_at = 0.0  # a failure is drawn at the next tick, whatever the overview's rate
+
     def rank_live(self, rank: int, text: Optional[str]) -> None:
         rank = self.state.label(rank)
         if text is None or not text.strip():
