@@ -260,6 +260,72 @@ def fit(results: dict) -> dict:
             "ranks_per_core": 1000 / slope if slope > 0 else None}
 
 
+class _ReplayPool:
+    """What the call watch asks of a pool while it applies reports."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def global_rank(self, rank: int) -> int:
+        return rank
+
+    def node(self, rank: int):
+        return None
+
+    def send(self, rank, message) -> bool:
+        return True
+
+
+def replay_cluster(world: int = 1024, per_node: int = 8, seconds: int = 10, hz: int = 10) -> dict:
+    """The kernel's side of a cluster run of ``world`` ranks, without the
+    nodes: each tick, one message per node as its agent sends it (every
+    rank's bar and metric, coalesced and pickled), received (unpickled),
+    applied by the call watch to the widget view (its drawing code, without
+    widgets), and the view drawn. CPU time of this process per rank-second.
+    What it leaves out: the link's HMAC and socket reads (one message per
+    node per tick), and ipywidgets' messages to the front end (their size
+    is bounded by the screen)."""
+    import pickle
+
+    from nblaunch.engines.pipes import coalesce
+    from nblaunch.engines.pool import Message
+    from nblaunch.view.widget import WidgetDisplay, _Static
+    from nblaunch.watch import CallWatch
+    from nblaunch.wire.channel import Metrics, Progress
+
+    nodes = world // per_node
+    view = WidgetDisplay(show=False)
+    view.begin(world, "fork", "nccl", "/tmp/replay")
+    view.place(0, world, None, nodes, hosts=[f"node{r // per_node}" for r in range(world)])
+    view._build(_Static)
+    watch = CallWatch(_ReplayPool(world), view, 0, stall_warning=60)
+    for r in range(world):
+        view.rank_status(r, "running")
+    t = time.time()
+
+    def node_messages(step: int) -> list[bytes]:
+        out = []
+        for node in range(nodes):
+            items = []
+            for r in range(node * per_node, (node + 1) * per_node):
+                n = step // 2 if r == 7 else step  # one rank at half speed
+                items += [Message(r, Progress(r, 1, "train", n, 10 * seconds * hz, False, t + step / hz)),
+                          Message(r, Metrics(r, ((n, t, {"loss": 1 / (n + 1)}),)))]
+            out.append(pickle.dumps(("events", coalesce(items)), protocol=pickle.HIGHEST_PROTOCOL))
+        return out
+
+    ticks = [node_messages(step) for step in range(seconds * hz)]
+    cpu0 = time.process_time()
+    for messages in ticks:
+        for message in messages:
+            watch._apply(pickle.loads(message)[1])
+        watch._stalls.check(time.monotonic(), set(range(world)), lambda r: r)
+        view.tick(force=True)
+    cpu = time.process_time() - cpu0
+    return {"world": world, "nodes": nodes, "cpu_ms_per_rank_s": 1000 * cpu / (world * seconds),
+            "kernel_cpu_share": cpu / seconds, "slowest_named": "rank 7" in view.rows.value}
+
+
 def plot(results: dict, path: Path = PLOT) -> None:
     import matplotlib
 
@@ -274,6 +340,11 @@ def plot(results: dict, path: Path = PLOT) -> None:
     if "fit" in results:
         ax.axhline(results["fit"]["per_rank_ms_per_rank_s"], color="#2e7d32", lw=1,
                    label=f"each added rank: {results['fit']['per_rank_ms_per_rank_s']:.2f} ms")
+    before = results.get("baseline_before_issue_40")
+    if before:
+        ns = sorted(int(n) for n in before)
+        ax.plot(ns, [before[str(n)]["median"]["cpu_ms_per_rank_s"] for n in ns], "x:", color="#8a8a8a",
+                label="before #40 (same bench)")
     ax.axhline(1.0, color="#c62828", ls="--", lw=1, label="goal: 1 ms")
     ax.set(xscale="log", xlabel="ranks", ylabel="kernel CPU, ms per rank-second",
            title=f"kernel CPU: every rank reports at {results['hz']:g} Hz")
@@ -309,6 +380,7 @@ def main() -> None:
     parser.add_argument("--pg-max", type=int, default=32, help="largest N timed with a gloo process group")
     parser.add_argument("--out", default=str(RESULT))
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--replay", type=int, default=1024, help="ranks of the replayed cluster run (0: none)")
     opts = parser.parse_args()
     if opts.plot_only:
         plot(json.loads(Path(opts.out).read_text()))
@@ -316,6 +388,8 @@ def main() -> None:
     results = run([int(n) for n in opts.sizes.split(",")], opts.reps, opts.seconds, opts.hz, opts.pg_max)
     if len(results["sizes"]) > 1:
         results["fit"] = fit(results)
+    if opts.replay:
+        results["replay"] = replay_cluster(opts.replay)
     Path(opts.out).write_text(json.dumps(results, indent=1))
     try:
         plot(results)
