@@ -23,7 +23,7 @@ import psutil
 __all__ = ["Usage", "Sampler", "gpu_devices", "children_of", "tree_of"]
 
 INTERVAL_S = 1.0
-RANKS_PER_S = 256  # at most this many ranks' trees sampled a second
+RANKS_PER_S = 64  # at most this many ranks' trees sampled a second (above 16 the view shows few ranks' rows)
 LOW_MEMORY_FRACTION = 0.10
 
 
