@@ -194,3 +194,31 @@ def test_64_ranks_reporting_at_10_hz_cost_this_process_little():
     ms_per_rank_s = 1000 * (c1 - c0) / (64 * (t1 - t0))
     print(f"{ms_per_rank_s:.2f} ms per rank-second")
     assert ms_per_rank_s < 4.0, f"{ms_per_rank_s:.2f} ms per rank-second"
+
+
+def test_a_ranks_tree_is_read_from_proc_and_signalled_whole():
+    """What a stop reads and signals: the rank and what it started, found
+    without reading every process on the machine."""
+    import signal
+    import subprocess
+
+    from nblaunch.engines.procs import signal_trees
+    from nblaunch.resources import tree_of
+
+    rank = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree_of(rank.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tree = tree_of(rank.pid)
+        assert tree[0] == rank.pid and len(tree) == 3
+        assert sorted(tree[1:]) == sorted(p.pid for p in psutil.Process(rank.pid).children(recursive=True))
+        seen: dict = {}
+        signal_trees([(rank.pid, seen)], signal.SIGKILL)
+        assert set(seen) == set(tree)
+        assert rank.wait(10) == -signal.SIGKILL
+        psutil.wait_procs(list(seen.values()), timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in seen.values())
+    finally:
+        rank.kill()
+        rank.wait()
