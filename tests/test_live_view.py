@@ -90,7 +90,7 @@ def test_text_fallback_outside_a_kernel_prints_status_and_summary(tmp_path):
     assert "RESULT [0, 1]" in out.stdout
 
 
-def test_many_ranks_collapse_to_one_bar_with_detail_on_demand():
+def test_many_ranks_collapse_to_an_overview_bounded_by_the_screen():
     from nblaunch.wire.channel import Progress
     from nblaunch.view import WidgetDisplay
 
@@ -100,10 +100,13 @@ def test_many_ranks_collapse_to_one_bar_with_detail_on_demand():
     for rank in range(20):
         view.state.set_rank(rank, "running")
         view.state.progress(Progress(rank, 1, "train", 5 if rank else 10, 10, False, 0.0))
-    view._draw()
+    view.tick(force=True)
     rows = view.rows.value
-    assert rows.count("data-fraction='0.525'") == 1  # the aggregate: mean of 19 x 0.5 and 1 x 1.0
-    assert "<details><summary>per-rank detail</summary>" in rows and rows.count("class='nblaunch-rank'") == 21
+    # min / median / max of the ranks' progress: the median drawn solid, the range light
+    assert "data-median='0.500'" in rows and "50% / 50% / 100%" in rows
+    assert rows.count("class='nblaunch-rank'") == 0  # no row per rank while none fails or lags (tests/test_scale.py)
+    view.close("finished")
+    assert "every rank (20)" in view.rows.value  # every row, on demand, in the final view
 
 
 def test_progress_and_log_work_outside_a_launch(capsys):

@@ -111,7 +111,7 @@ class WidgetDisplay(View):
         if self.box is None and self._show_at is not None and now >= self._show_at:
             self.show()
         if force or now - self._last_draw >= 1.0 / MAX_RATE:
-            self._draw()
+            self._draw(force)
 
     def close(self, state: str) -> None:
         """Draw the final view, then put a static copy of it (HTML, and a
@@ -168,7 +168,7 @@ class WidgetDisplay(View):
                     part.close()
         self.box = None
 
-    def _draw(self) -> None:
+    def _draw(self, force: bool = False) -> None:
         if self.box is None:
             return
         self._last_draw = time.monotonic()
@@ -181,7 +181,8 @@ class WidgetDisplay(View):
         self._draw_log()
         if not st.changed:
             return
-        if st.many and st.state in ("starting", "running") and self._last_draw - self._rows_at < 1.0 / MANY_RATE:
+        if (st.many and not force and st.state in ("starting", "running")
+                and self._last_draw - self._rows_at < 1.0 / MANY_RATE):
             return  # an overview costs the world's size to compute: a few times a second is enough to read
         self._rows_at = self._last_draw
         st.changed = False
