@@ -1,14 +1,15 @@
 """nblaunch: distributed PyTorch training as one call from a notebook cell."""
 from .data import sharded_loader
-from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
+from .errors import LaunchError, LaunchTimeout, Preempted, RankFailure, WorkerError
 from .launcher import notebook_launcher
+from .preempt import preempted
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
 from .engines.ray import Ray
 from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray"]
+           "WorkerError", "LaunchTimeout", "Preempted", "preempted", "RankFailure", "Slurm", "Ray"]
 __version__ = "0.1.0"
 
 

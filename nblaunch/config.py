@@ -49,6 +49,8 @@ class LaunchConfig:
     rdzv_id: str = "nblaunch"
     rdzv_timeout: float = 300.0
     max_restarts: int = 0
+    min_nodes: Optional[int] = None  # with max_restarts: a lost node's generation restarts on the others if this many are up
+    preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
     addr: str = field(init=False)
     endpoint: Optional[tuple] = field(init=False)
@@ -58,6 +60,7 @@ class LaunchConfig:
         check_call_options(self.timeout, self.display)
         _check_cluster(self)
         _check_counts(self)
+        _check_resilience(self)
         endpoint = None if self.cluster is not None else _check_nodes(self)
         object.__setattr__(self, "endpoint", endpoint)
         object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
@@ -152,6 +155,28 @@ def _check_counts(c: LaunchConfig) -> None:
             and c.cluster.nodes != c.num_nodes):
         raise ValueError(f"num_nodes={c.num_nodes} and {type(c.cluster).__name__}(nodes={c.cluster.nodes}) "
                          "disagree; give one of them")
+
+
+def _check_resilience(c: LaunchConfig) -> None:
+    """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
+    generation can run on fewer nodes: a cluster, or torch-elastic nodes)
+    and ``preempt_grace``."""
+    g = c.preempt_grace
+    if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
+        raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
+    m = c.min_nodes
+    if m is None:
+        return
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise TypeError(f"min_nodes must be an int or None, got {type(m).__name__}: {m!r}")
+    if c.cluster is None and c.num_nodes == 1:
+        raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm', cluster='ray', or "
+                         "num_nodes > 1 with rdzv_endpoint); on one machine there is no node to lose")
+    if c.max_restarts < 1:
+        raise ValueError("min_nodes says how many nodes a restarted generation needs: give max_restarts >= 1 too")
+    nodes = c.num_nodes if c.num_nodes > 1 or c.cluster is None else c.cluster.nodes
+    if not 1 <= m <= (nodes or m):
+        raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")
 
 
 def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:

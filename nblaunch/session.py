@@ -34,7 +34,9 @@ from .wire.channel import CLOSE, Call
 from .config import LaunchConfig, check_call, check_call_options
 from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for
-from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
+from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
+from .preempt import Catcher
+from .restarts import History
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
 from .live_watch import LiveCallWatch
@@ -64,12 +66,14 @@ class LaunchResults(list):
     """What ``notebook_launcher`` (and a call on live ranks) returns: this
     node's per-rank results in local-rank order (a plain list in every other
     respect), plus where each rank's full output was kept: ``log_dir`` and
-    ``log_files`` (one per rank, in the same order)."""
+    ``log_files`` (one per rank, in the same order), and ``restarts``: one
+    line per restart it took (``max_restarts``)."""
 
     def __init__(self, results, log_dir: str, log_files: list):
         super().__init__(results)
         self.log_dir = log_dir
         self.log_files = log_files
+        self.restarts: list[str] = []
 
 
 class Session:
@@ -92,26 +96,36 @@ class Session:
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
         self._messages = 0  # calls sent to live ranks (run, pull, push): their events' call number
+        self.history = History(config.max_restarts)  # a launch's restarts
+        self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
 
     # -- a launch ----------------------------------------------------------------------
 
     def launch(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
-        """``fn`` on fresh ranks; their results, or the error of the last attempt."""
+        """``fn`` on fresh ranks; their results, or the error of the last attempt.
+
+        With ``max_restarts`` a failed generation is replaced by a new one
+        (``TORCHELASTIC_RESTART_COUNT`` counts them); each restart is said in
+        the next generation's view, and the last attempt's ``WorkerError``
+        lists every attempt's cause. A preemption (:mod:`nblaunch.preempt`)
+        is never restarted: the job is ending."""
         c, engine = self.config, self.engine
         global_method = multiprocessing.get_start_method(allow_none=True)
         notices = [engine.notice] if engine.notice else []
+        history = self.history = History(c.max_restarts)
         try:
             job = engine.job(fn, tuple(args), kwargs)
-            for attempt in range(c.max_restarts + 1):
-                try:
-                    return self._attempt(job, attempt, notices)
-                except WorkerError as exc:
-                    # Every node sees the same failures, so every node restarts;
-                    # a node whose launcher was stopped (kind "node") will not.
-                    if attempt == c.max_restarts or exc.root.kind == "node":
-                        raise
-                    self.restarts += 1
-                    notices = [f"restart {attempt + 1} of {c.max_restarts} after: {exc.root.summary()}"]
+            with Catcher(c.preempt_grace) as catcher:
+                for attempt in range(c.max_restarts + 1):
+                    try:
+                        results = self._attempt(job, attempt, notices + history.lines, catcher)
+                        results.restarts = list(history.lines)
+                        return results
+                    except WorkerError as exc:
+                        if attempt == c.max_restarts or catcher.caught or not self._may_restart(exc):
+                            raise history.final(exc) from exc.__cause__
+                        self.restarts += 1
+                        history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
             raise AssertionError("unreachable")
         finally:
             engine.close()
@@ -120,20 +134,33 @@ class Session:
                 # its global default as a side effect; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
 
-    def _attempt(self, job: Any, attempt: int, notices: list[str]) -> LaunchResults:
+    def _may_restart(self, exc: WorkerError) -> bool:
+        """A failed generation is replaced, except where a node's launcher
+        was stopped (kind ``node``: interrupted, timed out), unless the
+        engine can go on without a lost node (``engine.shrink``: a cluster
+        with ``min_nodes``), which it then does."""
+        if exc.root.kind != "node":
+            return True
+        shrink = getattr(self.engine, "shrink", None)
+        return shrink is not None and shrink(exc.failures)
+
+    def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
         c, engine = self.config, self.engine
         pool = engine.new_pool(job, attempt)
-        view, outcome = None, "failed"
+        view, outcome, watch = None, "failed", None
+        self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
         try:  # from here on, an interrupt anywhere leaves nothing open
             view = make_display(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
             watch = CallWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
-                              job_size=getattr(job, "size", 0))
+                              job_size=getattr(job, "size", 0), preemption=catcher)
             results = watch.run(lambda: engine.place(pool, view))
             outcome = "finished"
+            if self.history.summary():  # the final summary says what it took
+                view.notice(self.history.summary())
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
         except KeyboardInterrupt:
             outcome = "interrupted"
@@ -141,7 +168,11 @@ class Session:
         except LaunchTimeout:
             outcome = "timed out"
             raise
+        except Preempted:
+            outcome = "preempted"
+            raise
         finally:
+            self._steps = watch.steps if watch is not None else {}
             try:
                 pool.close()
             finally:

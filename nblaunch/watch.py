@@ -30,6 +30,7 @@ from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_d
                      render_interrupt)
 from .engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
 from .resources import Sampler
+from .preempt import Grace
 from .rules import LeftEarly, Stalls
 from .rank.results import max_result_bytes
 
@@ -75,7 +76,7 @@ class CallWatch:
     any, has other nodes is the pool's business."""
 
     def __init__(self, pool: RankPool, view, call: int, *, timeout: Optional[float] = None,
-                 stall_warning: Optional[float] = None, job_size: int = 0, name: str = ""):
+                 stall_warning: Optional[float] = None, job_size: int = 0, name: str = "", preemption=None):
         self._pool = pool
         self._view = view
         self.call = call
@@ -91,6 +92,8 @@ class CallWatch:
         self._left = LeftEarly()
         self._result_bytes = 0  # results received so far, all ranks
         self.broken: Optional[str] = None  # live ranks: why they cannot be trusted any more
+        self._grace = Grace(preemption)  # a launch's notice of its end (preemption: a preempt.Catcher)
+        self.steps: dict[int, int] = {}  # global rank -> the step its progress bar last showed
 
     # -- the call ------------------------------------------------------------------
 
@@ -154,6 +157,8 @@ class CallWatch:
             self._view.notice(text)
         self._check_departures(now)
         self._check_others(now)
+        if self._grace.check(now, self._pool, self._view, self._in_call()):
+            self._give_up("was preempted")
         if self._sampler is not None:
             usage = self._pool.usage(self._sampler)
             if usage:
@@ -188,6 +193,7 @@ class CallWatch:
             return  # a live rank's bar of its last call, sent as that call ended
         if isinstance(event, Progress):
             self._stalls.moved(rank, event.key, event.n, event.total, event.desc, time.monotonic())
+            self.steps[self._pool.global_rank(rank)] = event.n
             self._view.progress(event)
         elif isinstance(event, Metrics):
             self._view.metrics(event)
@@ -233,6 +239,7 @@ class CallWatch:
                                           part.stopped, part.signals, self._pool.tail(rank)))
 
     def _fail(self, rank: int, failure: RankFailure) -> None:
+        failure = errors.on_host(failure, self._pool.host(rank))  # "rank 3 on n2"
         self._parts[rank].failure = failure
         self._view.rank_status(rank, failure.row)
         if failure.kind in errors.NBLAUNCH_ENDED:
@@ -342,6 +349,9 @@ class CallWatch:
     # -- the verdict -----------------------------------------------------------------------
 
     def _outcome(self) -> list:
+        if self._grace.expired:
+            raise self._grace.error(self._pool, [r for r, p in enumerate(self._parts) if p.result is not _NO_RESULT],
+                                    self.steps)
         failures = [p.failure for p in self._parts if p.failure is not None]
         departures = [p.departure for p in self._parts if p.departure is not None and p.failure is None]
         failures = blame_departures(failures, departures)

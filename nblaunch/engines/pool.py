@@ -105,6 +105,9 @@ class RankPool(abc.ABC):
 
     size: int
     placement: Optional[Placement] = None
+    # (signal, where): a preemption signal reached the engine's side of the job
+    # (a node's agent); the call watch tells every rank (``preempt``).
+    preempting: Optional[tuple] = None
     log_dir: Path
     facts: list  # a RankFacts (or a kind's extension of it) per rank
     _closed = False
@@ -161,6 +164,13 @@ class RankPool(abc.ABC):
             self.drain()
         finally:
             self._release()
+
+    def preempt(self, why: str) -> None:
+        """Tell every rank the job is preempted (``nblaunch.preempted()``
+        turns true): a file in the folder of the ranks' own files."""
+        from ..preempt import write_notice
+
+        write_notice(str(self.log_dir), why)
 
     def interrupt(self, rank: int, how: str) -> None:
         """A live rank's SIGINT, for the call it is on (``how``: see ``rank.interrupts.CallInterrupt``)."""
