@@ -239,7 +239,7 @@ class CallWatch:
                                           part.stopped, part.signals, self._pool.tail(rank)))
 
     def _fail(self, rank: int, failure: RankFailure) -> None:
-        failure = errors.on_host(failure, self._pool.host(rank))  # "rank 3 on n2"
+        failure = errors.on_host(failure, self._pool.node_name(rank))  # "rank 3 on n2"
         self._parts[rank].failure = failure
         self._view.rank_status(rank, failure.row)
         if failure.kind in errors.NBLAUNCH_ENDED:

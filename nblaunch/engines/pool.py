@@ -220,6 +220,15 @@ class RankPool(abc.ABC):
         """The machine a rank runs on, where the pool spans several."""
         return None
 
+    def node_name(self, rank: int) -> Optional[str]:
+        """The rank's machine, where its name tells the job's nodes apart
+        (messages then say ``rank 3 on n2``); None elsewhere."""
+        hosts = [self.host(r) for r in range(self.size)]
+        host, nodes = hosts[rank], {self.node(r) for r in range(self.size)}
+        if host is None or len({h for h in hosts if h is not None}) != len(nodes):
+            return None
+        return host
+
     def running_pids(self) -> dict[int, int]:
         """Rank -> pid, of ranks started and not ended, whose process is on this machine."""
         return {}
