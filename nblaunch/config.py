@@ -159,8 +159,8 @@ def _check_counts(c: LaunchConfig) -> None:
 
 def _check_resilience(c: LaunchConfig) -> None:
     """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
-    generation can run on fewer nodes: a cluster, or torch-elastic nodes)
-    and ``preempt_grace``."""
+    generation can run on fewer nodes: a cluster, or torch-elastic nodes;
+    a launch's restarts need ``max_restarts`` too) and ``preempt_grace``."""
     g = c.preempt_grace
     if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
         raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
@@ -172,8 +172,6 @@ def _check_resilience(c: LaunchConfig) -> None:
     if c.cluster is None and c.num_nodes == 1:
         raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm', cluster='ray', or "
                          "num_nodes > 1 with rdzv_endpoint); on one machine there is no node to lose")
-    if c.max_restarts < 1:
-        raise ValueError("min_nodes says how many nodes a restarted generation needs: give max_restarts >= 1 too")
     nodes = c.num_nodes if c.num_nodes > 1 or c.cluster is None else c.cluster.nodes
     if not 1 <= m <= (nodes or m):
         raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .errors import WorkerError
 
-__all__ = ["History"]
+__all__ = ["History", "may_restart"]
 
 
 class History:
@@ -44,3 +44,14 @@ def at_step(steps: dict, rank: int) -> str:
     """`` at step 412``: where the rank's progress bar was (the furthest of any rank's, if it had none)."""
     step = steps.get(rank, max(steps.values()) if steps else None)
     return f" at step {step}" if step is not None else ""
+
+
+def may_restart(engine, exc: WorkerError) -> bool:
+    """Whether a failed generation is replaced: yes, except where a node's
+    launcher was stopped or a node was lost (kind ``node``), unless the
+    engine can go on without the lost nodes (``engine.shrink``: a cluster
+    with ``min_nodes``), which it then does."""
+    if exc.root.kind != "node":
+        return True
+    shrink = getattr(engine, "shrink", None)
+    return shrink is not None and shrink(exc.failures)

@@ -36,7 +36,7 @@ from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for
 from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
 from .preempt import Catcher
-from .restarts import History
+from .restarts import History, may_restart
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
 from .live_watch import LiveCallWatch
@@ -98,6 +98,7 @@ class Session:
         self._messages = 0  # calls sent to live ranks (run, pull, push): their events' call number
         self.history = History(config.max_restarts)  # a launch's restarts
         self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
+        self.shrunk = ""  # live ranks: why they run on fewer nodes than at first, said by the next run
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class Session:
                         results.restarts = list(history.lines)
                         return results
                     except WorkerError as exc:
-                        if attempt == c.max_restarts or catcher.caught or not self._may_restart(exc):
+                        if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                             raise history.final(exc) from exc.__cause__
                         self.restarts += 1
                         history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
@@ -133,16 +134,6 @@ class Session:
                 # Starting spawn/forkserver processes makes multiprocessing fix
                 # its global default as a side effect; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
-
-    def _may_restart(self, exc: WorkerError) -> bool:
-        """A failed generation is replaced, except where a node's launcher
-        was stopped (kind ``node``: interrupted, timed out), unless the
-        engine can go on without a lost node (``engine.shrink``: a cluster
-        with ``min_nodes``), which it then does."""
-        if exc.root.kind != "node":
-            return True
-        shrink = getattr(self.engine, "shrink", None)
-        return shrink is not None and shrink(exc.failures)
 
     def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
@@ -185,6 +176,7 @@ class Session:
         """Start a generation of live ranks and wait until each has made its
         process group (its call 0). Raises ``WorkerError`` if one cannot."""
         engine = self.engine
+        self.world_size = engine.world_size  # fewer after a lost node (min_nodes)
         pool = engine.new_pool(None, self.restarts)
         view = TextDisplay(show_status=False)  # set-up prints (warnings) only
         view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
@@ -213,6 +205,9 @@ class Session:
         name = f"call {self.runs + counted}"
         view.begin(self.world_size, self.engine.method, self.engine.backend or "", str(pool.log_dir),
                    call=self.runs + counted if counted else 0)
+        if self.shrunk and counted:  # the first run after a lost node says so
+            view.notice(self.shrunk)
+            self.shrunk = ""
         watch = LiveCallWatch(pool, view, number, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
         if counted:
@@ -228,23 +223,28 @@ class Session:
         except BaseException as exc:
             view.close("interrupted" if isinstance(exc, KeyboardInterrupt)
                        else "timed out" if isinstance(exc, LaunchTimeout) else "failed")
-            raise _with_note(exc, self._after(watch)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
+            raise _with_note(exc, self._after(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
         view.close("finished")
         if watch.broken:
             warnings.warn(f"{name} returned, but {self._after(watch)}", RuntimeWarning, stacklevel=4)
         return LaunchResults(results, str(pool.log_dir), pool.log_files)
 
-    def _after(self, watch: CallWatch) -> str:
-        """After a call that did not end well: replace broken ranks; say what became of them."""
+    def _after(self, watch: CallWatch, exc: Optional[BaseException] = None) -> str:
+        """After a call that did not end well: replace broken ranks (on the
+        nodes still up, when a node was lost and ``min_nodes`` allows); say
+        what became of them."""
         if not watch.broken:
             others = " (the other ranks' calls were interrupted)" if watch.interrupted else ""
             return f"The live ranks are still up and keep their state{others}."
+        if isinstance(exc, WorkerError) and exc.root.kind == "node" and may_restart(self.engine, exc):
+            self.shrunk = f"the ranks run on the {self.engine.num_nodes} nodes still up since {exc.root.brief()}"
         try:
             self.restart()
         except BaseException as exc:  # noqa: BLE001 - said in the note; the next run tries again
             return (f"The ranks could not be kept ({watch.broken}), and starting new ones failed: {exc}. "
                     "The next run tries again.")
-        return (f"The session restarted its ranks ({watch.broken}): what earlier calls built in them "
+        on = f" on the {self.engine.num_nodes} nodes still up" if self.shrunk else ""
+        return (f"The session restarted its ranks{on} ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
 
     def restart(self) -> None:
@@ -299,7 +299,6 @@ class Ranks:
 
     def __init__(self, config: LaunchConfig):
         self._session = Session(config, live=True)
-        self.num_processes = self._session.world_size
         self._finalizer = weakref.finalize(self, _Generation(self._session).close)
         self._closed = False
         self._session.open()
@@ -354,6 +353,11 @@ class Ranks:
     @restarts.setter
     def restarts(self, value: int) -> None:
         self._session.restarts = value
+
+    @property
+    def num_processes(self) -> int:
+        """The ranks up (fewer than at first once a lost node was left out: ``min_nodes``)."""
+        return self._session.world_size
 
     @property
     def is_up(self) -> bool:
@@ -449,7 +453,8 @@ def _pull_on(name: str, rank: Optional[int]):
 def start(num_processes: int, *, start_method: str = "auto", backend: str = "auto",
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
-          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1) -> Ranks:
+          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
+          min_nodes: Optional[int] = None) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -458,13 +463,15 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     still works while one is up (not at the same moment as a call). Use it as
     a context manager, or ``close()`` it; it also ends with the kernel.
     ``cluster="slurm"`` (and ``num_nodes``): ranks on the nodes of a SLURM
-    allocation, as ``notebook_launcher`` has them.
+    allocation, as ``notebook_launcher`` has them; ``min_nodes``: when a
+    node is lost, the ranks are restarted on the nodes still up if at least
+    this many (the next run says so).
     """
     global _active
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
-                          cluster=cluster, num_nodes=num_nodes)
+                          cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes)
     if worker.current_spec() is not None:
         raise LaunchError("nblaunch.start was called inside a rank; start live ranks from the notebook")
     up = active()

@@ -1,5 +1,5 @@
-"""Whether a two-node SLURM cluster is up here (``.ci/slurm`` starts one),
-for the SLURM tests and the SLURM tutorial notebook; loaded as a pytest
+"""Whether a SLURM cluster of two (or three) nodes is up here (``.ci/slurm``
+starts one of three), for the SLURM tests and the SLURM tutorial notebooks; loaded as a pytest
 plugin (``-p slurm_cluster`` in pyproject.toml), it leaves that notebook out
 where SLURM is not up."""
 from __future__ import annotations
@@ -38,5 +38,7 @@ def pytest_ignore_collect(collection_path, config):
     elsewhere nbval leaves it out, unless ``NBLAUNCH_REQUIRE_SLURM`` is set,
     when its absence is an error."""
     if collection_path.name == "07_slurm.ipynb" and why_not():
+        return True
+    if collection_path.name == "08_lost_node.ipynb" and why_not(nodes=3):
         return True
     return None

@@ -217,7 +217,6 @@ def test_preempted_is_false_outside_a_rank():
     ({"min_nodes": 1, "max_restarts": 1}, "min_nodes is for a launch on several nodes"),
     ({"min_nodes": 0, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "between 1 and"),
     ({"min_nodes": 4, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "between 1 and"),
-    ({"min_nodes": 2, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "give max_restarts >= 1"),
     ({"min_nodes": 2.0, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "must be an int"),
 ])
 def test_bad_resilience_settings_are_refused_before_any_process_starts(kwargs, message):

@@ -171,3 +171,22 @@ def test_scancel_signal_usr1_on_the_step_lets_every_rank_on_every_node_return(th
     assert [(r, h) for r, _, h in found] == [("0", "n1"), ("1", "n2"), ("2", "n3")], text
     assert len({s for _, s, _ in found}) == 1, text  # agreed: every rank stopped at the same step
     assert "preempted (SIGUSR1 to the agent on n" in text, text
+
+
+@needs_three
+def test_live_ranks_that_lose_a_node_are_restarted_on_the_nodes_still_up(three_nodes):
+    job, k = three_nodes
+    _ok(k.execute("import os, nblaunch\n"
+                  "ranks = nblaunch.start(1, cluster='slurm', min_nodes=2)\n"
+                  "where = lambda: (int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), "
+                  "os.environ['SLURMD_NODENAME'])\n"
+                  "print(ranks.run(where, display='none'))"))
+    _agent_on(job, "n3").send_signal(signal.SIGKILL)
+    r = k.execute("ranks.run(where, display='none')", timeout=120)
+    assert r.error is not None and r.error["ename"] == "WorkerError"
+    tb = "\n".join(r.error["traceback"])
+    assert "node 2 (n3)" in tb and "restarted its ranks on the 2 nodes still up" in tb, tb
+    text = _ok(k.execute("print(ranks.run(where, display='text')); print(ranks.num_processes); ranks.close()",
+                         timeout=120))
+    assert "[(0, 2, 'n1'), (1, 2, 'n2')]" in text, text
+    assert "the ranks run on the 2 nodes still up since node n3 lost" in text, text
