@@ -159,8 +159,8 @@ def _check_counts(c: LaunchConfig) -> None:
 
 def _check_resilience(c: LaunchConfig) -> None:
     """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
-    generation can run on fewer nodes: a cluster, or torch-elastic nodes;
-    a launch's restarts need ``max_restarts`` too) and ``preempt_grace``."""
+    generation can run on fewer nodes: a cluster's; a launch's restarts
+    need ``max_restarts`` too) and ``preempt_grace``."""
     g = c.preempt_grace
     if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
         raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
@@ -170,9 +170,13 @@ def _check_resilience(c: LaunchConfig) -> None:
     if isinstance(m, bool) or not isinstance(m, int):
         raise TypeError(f"min_nodes must be an int or None, got {type(m).__name__}: {m!r}")
     if c.cluster is None and c.num_nodes == 1:
-        raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm', cluster='ray', or "
-                         "num_nodes > 1 with rdzv_endpoint); on one machine there is no node to lose")
-    nodes = c.num_nodes if c.num_nodes > 1 or c.cluster is None else c.cluster.nodes
+        raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm' or cluster='ray'); on one "
+                         "machine there is no node to lose")
+    if c.cluster is None:
+        raise ValueError("min_nodes works with cluster='slurm' or cluster='ray', whose kernel starts every node; "
+                         "nodes joined by rdzv_endpoint, each with its own kernel, restart all together "
+                         "(max_restarts) and cannot yet go on with fewer")
+    nodes = c.num_nodes if c.num_nodes > 1 else c.cluster.nodes
     if not 1 <= m <= (nodes or m):
         raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")
 

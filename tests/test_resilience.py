@@ -13,6 +13,7 @@ import time
 import pytest
 
 import nblaunch
+from nblaunch import Slurm
 from nblaunch.config import LaunchConfig
 from nblaunch.errors import Preempted, WorkerError
 
@@ -215,9 +216,12 @@ def test_preempted_is_false_outside_a_rank():
     ({"preempt_grace": -1}, "preempt_grace must be"),
     ({"preempt_grace": "30"}, "preempt_grace must be"),
     ({"min_nodes": 1, "max_restarts": 1}, "min_nodes is for a launch on several nodes"),
-    ({"min_nodes": 0, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "between 1 and"),
-    ({"min_nodes": 4, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "between 1 and"),
-    ({"min_nodes": 2.0, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"}, "must be an int"),
+    ({"min_nodes": 2, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"},
+     "min_nodes works with cluster="),
+    ({"min_nodes": 0, "max_restarts": 1, "cluster": Slurm(nodes=3)}, "between 1 and"),
+    ({"min_nodes": 4, "max_restarts": 1, "cluster": Slurm(nodes=3)}, "between 1 and"),
+    ({"min_nodes": 4, "max_restarts": 1, "num_nodes": 3, "cluster": Slurm()}, "between 1 and"),
+    ({"min_nodes": 2.0, "max_restarts": 1, "cluster": Slurm(nodes=3)}, "must be an int"),
 ])
 def test_bad_resilience_settings_are_refused_before_any_process_starts(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -225,6 +229,37 @@ def test_bad_resilience_settings_are_refused_before_any_process_starts(kwargs, m
 
 
 def test_good_resilience_settings_are_kept():
-    c = LaunchConfig(2, num_nodes=3, rdzv_endpoint="127.0.0.1:29400", max_restarts=2, min_nodes=2,
-                     preempt_grace=0)
+    c = LaunchConfig(2, cluster=Slurm(nodes=3), max_restarts=2, min_nodes=2, preempt_grace=0)
     assert (c.min_nodes, c.preempt_grace) == (2, 0)
+
+
+def test_sigterm_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
+    """What SLURM's preemption sends to the job's processes (the kernel among
+    them): the ranks save and return, the cell shows it, and the kernel, its
+    own SIGTERM handling restored, serves the next cell."""
+    from conftest import Kernel
+
+    k = Kernel()
+    try:
+        msg = k.execute_async(f"""
+import os, time, nblaunch
+def until_preempted(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, f"up{{dist.get_rank()}}"), "w").close()
+    step = 0
+    while not nblaunch.preempted(agree=True):
+        step += 1
+        time.sleep(0.02)
+    return step
+res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), num_processes=2, display="text")
+print("returned", len(res), res[0] == res[1])""")
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(k.pid, signal.SIGTERM)
+        r = k.wait_for_reply(msg, timeout=120)
+        assert r.error is None, r.error
+        assert "preempted (SIGTERM to the kernel): saving" in r.text and "returned 2 True" in r.text, r.text
+        assert k.execute("import signal; print(signal.getsignal(signal.SIGTERM))").error is None
+    finally:
+        k.shutdown()
