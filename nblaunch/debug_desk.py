@@ -139,6 +139,7 @@ class DebugDesk:
             why = "this front end sends no input" if in_kernel() else "this process has no terminal to ask at"
             return self._no_front_end(rank, why)
         label = self._label(rank)
+        self._view.tick(force=True)  # what the ranks printed before this stop comes first
         if rank != self._current:
             waiting = [self._label(r) for r in self._prompts if r != rank]
             also = f"; {', '.join(waiting)} will be next" if waiting else ""

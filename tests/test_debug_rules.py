@@ -42,6 +42,9 @@ class _View:
     def notice(self, text):
         self.notices.append(text)
 
+    def tick(self, force=False):
+        pass
+
 
 def _desk(monkeypatch, answers):
     asked = []
