@@ -62,28 +62,35 @@ class Session:
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_breakpoint_in_a_rank_opens_pdb_in_the_cell(kernel, method):
-    s = Session(kernel, ["p secret", "l", "n", "p y", "c"]).run(
+    answers = ["p secret", "pp {'s': secret}", "l", "n", "p y", "s", "s", "p v", "up", "p y", "down", "p v * 3", "c"]
+    s = Session(kernel, answers).run(
         LAUNCH +
+        "def helper(v):\n"
+        "    return v * 2\n"
         "def train():\n"
         "    secret = 40 + dist.get_rank()\n"
         "    if dist.get_rank() == 1:\n"
         "        print('BREAK AT', time.time(), flush=True)\n"
         "        breakpoint()\n"
         "    y = secret + 1\n"
+        "    z = helper(y)\n"
         "    dist.all_reduce(torch.ones(1))\n"
-        "    return y\n"
+        "    return z\n"
         f"print('RESULT', notebook_launcher(train, num_processes=2, display='text', start_method={method!r}))\n")
     assert s.error is None, s.shown
-    assert "RESULT [41, 42]" in s.stdout
-    assert len(s.prompts) == 5 and all(re.fullmatch(r"rank 1 (\(Pdb\)|ipdb>) ", p) for p in s.prompt_texts), s.prompts
+    assert "RESULT [82, 84]" in s.stdout
+    assert len(s.prompts) == len(answers), s.prompts
+    assert all(re.fullmatch(r"rank 1 (\(Pdb\)|ipdb>) ", p) for p in s.prompt_texts), s.prompts
     assert "--- rank 1 is in the debugger" in s.stdout
     broke_at = float(re.search(r"BREAK AT ([\d.]+)", s.stdout).group(1))
     assert s.prompts[0][0] - broke_at < 1.0, "the prompt took over 1 s to reach the cell"
-    # p secret, then l (the rank's own source), then n to the next line, where y is set
     after = s.stdout.split("--- rank 1 is in the debugger")[1]
-    assert re.search(r"^41$", after, re.M)
-    assert "->" in after and "y = secret + 1" in after and "dist.all_reduce(torch.ones(1))" in after
-    assert re.search(r"^42$", after, re.M)
+    # p and pp in the rank's locals; l lists the rank's source; n to the next line
+    assert re.search(r"^41$", after, re.M) and "{'s': 41}" in after
+    assert "->" in after and "y = secret + 1" in after and "z = helper(y)" in after
+    # s steps into helper (v == 42); up to train (y == 42), down again (v * 3)
+    assert re.search(r"^42$\n(.|\n)*^42$", after, re.M) and "helper()" in after
+    assert re.search(r"^126$", after, re.M)
 
 
 def test_two_ranks_that_break_at_once_are_served_one_after_the_other(kernel):
