@@ -193,3 +193,18 @@ def test_the_snapshot_stays_within_its_budget(monkeypatch):
 def test_debug_says_what_there_is_to_debug():
     with pytest.raises(ValueError, match="no WorkerError to debug"):
         postmortem.debug(KeyError("x"))
+
+
+def test_a_large_tensor_inside_a_local_is_refused_before_it_is_copied():
+    def fails():
+        optimizer_state = {"exp_avg": torch.zeros(50_000_000), "step": 3}  # 200 MB, as an optimizer holds
+        raise RuntimeError("x")
+    try:
+        fails()
+    except RuntimeError as exc:
+        t0 = time.monotonic()
+        frames = rank_postmortem.snapshot(exc)
+        took = time.monotonic() - t0
+    state = pickle.loads(frames)[-1].values["optimizer_state"]
+    assert isinstance(state, rank_postmortem.Unshown) and "over" in state.why
+    assert took < 0.5, f"the snapshot took {took:.2f} s: the tensor was copied before it was refused"
