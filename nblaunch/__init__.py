@@ -2,6 +2,7 @@
 from .data import sharded_loader
 from .errors import LaunchError, LaunchTimeout, Preempted, RankFailure, WorkerError
 from .launcher import notebook_launcher
+from .postmortem import debug
 from .preempt import preempted
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
@@ -9,7 +10,7 @@ from .engines.ray import Ray
 from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "Preempted", "preempted", "RankFailure", "Slurm", "Ray"]
+           "WorkerError", "LaunchTimeout", "Preempted", "preempted", "RankFailure", "Slurm", "Ray", "debug"]
 __version__ = "0.1.0"
 
 

@@ -39,7 +39,9 @@ from .preempt import Catcher
 from .restarts import History, may_restart
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
+from .launch_watch import LaunchWatch
 from .live_watch import LiveCallWatch
+from .postmortem import with_rank_frames
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -146,7 +148,7 @@ class Session:
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
-            watch = CallWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
+            watch = LaunchWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
                               job_size=getattr(job, "size", 0), preemption=catcher)
             results = watch.run(lambda: engine.place(pool, view))
             outcome = "finished"
@@ -409,7 +411,7 @@ class Ranks:
 
 def _with_note(exc: BaseException, note: str) -> BaseException:
     if isinstance(exc, WorkerError):
-        return WorkerError(exc.failures, exc.log_dir, note=note)
+        return with_rank_frames(WorkerError(exc.failures, exc.log_dir, note=note))
     if isinstance(exc, LaunchTimeout):
         return LaunchTimeout(f"{exc}\n{note}", log_dir=exc.log_dir)
     render = getattr(exc, "_render_traceback_", None)

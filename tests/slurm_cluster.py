@@ -39,6 +39,6 @@ def pytest_ignore_collect(collection_path, config):
     when its absence is an error."""
     if collection_path.name == "07_slurm.ipynb" and why_not():
         return True
-    if collection_path.name == "08_lost_node.ipynb" and why_not(nodes=3):
+    if collection_path.name == "09_lost_node.ipynb" and why_not(nodes=3):
         return True
     return None
