@@ -19,7 +19,7 @@ Runs inside an allocation of three nodes (``SLURM_JOB_ID``), or makes one
 (``salloc --no-shell -N3 --no-kill``) and gives it back; ``.ci/slurm``
 starts three nodes on this machine.
 
-    python bench/recovery.py            # 3 alternating rounds
+    python bench/recovery.py            # 3 alternating rounds (--rounds N)
     python bench/recovery.py --smoke    # one round
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 LOST = "n3"
-GIVE_UP_S = 660.0  # past c10d's join_timeout (600 s): torchrun's survivors may wait it out
+GIVE_UP_S = 300.0  # a generation that has not stepped by then is reported as not recovered (inf)
+END_WAIT_S = 60.0  # a recovered torchrun's survivors finish their 20 steps within this
 
 STEPS = r'''
 import json, os, sys, time
@@ -143,9 +144,11 @@ def run_torchrun(job: str, addr: str) -> float:
             return _measure(folder, "torch.distributed.run")
         finally:
             try:
-                proc.wait(GIVE_UP_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(END_WAIT_S)
+            except subprocess.TimeoutExpired:  # not recovered: srun ends its step (SIGINT twice: srun's rule)
+                for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
+                    os.killpg(proc.pid, sig)
+                    time.sleep(0.5)
                 proc.wait()
 
 
@@ -164,11 +167,12 @@ def _allocation() -> tuple[str, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "recovery.json"))
     opts = parser.parse_args()
     job, ours = _allocation()
     os.environ["SLURM_JOB_ID"] = job
-    rounds = 1 if opts.smoke else 3
+    rounds = 1 if opts.smoke else opts.rounds
     times: dict[str, list[float]] = {"nblaunch": [], "torchrun": []}
     try:
         for i in range(rounds):
@@ -181,11 +185,15 @@ def main() -> None:
         if ours:
             subprocess.run(["scancel", job], timeout=30)
     med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():  # JSON has no infinity: a round that never recovered is null
+        times[k] = [None if x == float("inf") else x for x in v]
     result = {"scenario": "3 SLURM nodes x 1 rank (gloo), node n3's process tree SIGKILLed 10 steps in; seconds from "
                           "the kill to the last survivor's first step of the next generation",
               "anchor": "torchrun --nnodes=2:3 --max-restarts=1 --rdzv-backend=c10d (torch defaults)",
-              "seconds": times, "median_s": med,
-              "ratio_torchrun_over_nblaunch": round(med["torchrun"] / med["nblaunch"], 2),
+              "seconds": times, "median_s": {k: (None if v == float("inf") else v) for k, v in med.items()},
+              "give_up_s": GIVE_UP_S,
+              "ratio_torchrun_over_nblaunch": (round(med["torchrun"] / med["nblaunch"], 2)
+                                               if med["torchrun"] != float("inf") else None),
               "machine": f"{os.cpu_count()} CPUs", "python": sys.version.split()[0],
               "torch": __import__("torch").__version__, "date": time.strftime("%Y-%m-%d")}
     Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -22,8 +22,22 @@ class LaunchWatch(CallWatch):
 
     def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None, **options):
         super().__init__(pool, view, call, **options)
+        self._catcher = preemption
         self._grace = Grace(preemption)
         self.steps: dict[int, int] = {}
+
+    def run(self, begin) -> list:
+        """The call; preemption signals are caught once its ranks are started."""
+        def begin_then_arm() -> None:
+            begin()
+            if self._catcher is not None:
+                self._catcher.arm()
+
+        try:
+            return super().run(begin_then_arm)
+        finally:
+            if self._catcher is not None:
+                self._catcher.disarm()
 
     def _pass(self) -> None:
         super()._pass()

@@ -93,16 +93,26 @@ class Catcher:
         self.at: Optional[float] = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "Catcher":
-        if threading.current_thread() is threading.main_thread():
+    def arm(self) -> None:
+        """Catch from now on. Armed only once the generation's ranks are
+        started: a process forked meanwhile would inherit the handlers (a
+        rank's SIGUSR1 is its stack dump)."""
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
                 self._previous[sig] = signal.signal(sig, self._handler)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def disarm(self) -> None:
+        """The kernel's own handlers back."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+    def __enter__(self) -> "Catcher":
+        self.arm()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()
 
     def _handler(self, signum, frame) -> None:
         self.note(signal.Signals(signum).name, "the kernel")

@@ -118,17 +118,17 @@ class Session:
         history = self.history = History(c.max_restarts)
         try:
             job = engine.job(fn, tuple(args), kwargs)
-            with Catcher(c.preempt_grace) as catcher:
-                for attempt in range(c.max_restarts + 1):
-                    try:
-                        results = self._attempt(job, attempt, notices + history.lines, catcher)
-                        results.restarts = list(history.lines)
-                        return results
-                    except WorkerError as exc:
-                        if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
-                            raise history.final(exc) from exc.__cause__
-                        self.restarts += 1
-                        history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
+            catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
+            for attempt in range(c.max_restarts + 1):
+                try:
+                    results = self._attempt(job, attempt, notices + history.lines, catcher)
+                    results.restarts = list(history.lines)
+                    return results
+                except WorkerError as exc:
+                    if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
+                        raise history.final(exc) from exc.__cause__
+                    self.restarts += 1
+                    history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
             raise AssertionError("unreachable")
         finally:
             engine.close()
