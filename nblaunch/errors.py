@@ -41,8 +41,8 @@ class LaunchTimeout(LaunchError):
 
 
 class Preempted(LaunchError):
-    """The launch was preempted (SIGTERM or SIGUSR1 reached the kernel's job
-    or a node's agents: what SLURM sends on preemption, ``scancel --signal``,
+    """The launch was preempted (SIGTERM reached the kernel, or SIGUSR1 a
+    node's agents: what SLURM sends on preemption, ``scancel --signal``,
     ``--signal=USR1@60``) and its ranks did not all return within the grace
     period; they were then stopped. ``signal`` names what came, ``step`` the
     furthest step a rank's progress bar reached (None: no bar), ``returned``

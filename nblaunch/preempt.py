@@ -2,9 +2,10 @@
 
 SLURM says a job is about to end with a signal: SIGTERM on preemption or
 ``scancel``, SIGUSR1 (or any signal) with ``scancel --signal=USR1`` or
-``--signal=USR1@60`` before the time limit. When one reaches the kernel
-(:class:`Catcher`, for the length of a launch) or a node's agent (which
-tells the kernel), the kernel tells every rank of the generation at once
+``--signal=USR1@60`` before the time limit. When SIGTERM reaches the kernel
+(:class:`Catcher`, while a launch's ranks run) or SIGUSR1 a node's agent
+(which tells the kernel; in the kernel SIGUSR1 is left alone: it is the
+ranks' stack-dump signal, which forked processes inherit), the kernel tells every rank of the generation at once
 (``RankPool.preempt``: a file beside the rank's other files, on every
 node), and the ranks get ``grace`` seconds, never cut short, to save and
 return. In a rank, :func:`preempted` says so::
@@ -29,14 +30,14 @@ from typing import Optional
 __all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT"]
 
 NOTICE_FILE = "preempted"  # in the folder of the rank's stack file: the pool's folder on its node
-CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
+CAUGHT = (signal.SIGTERM,)  # SIGUSR1 is a rank's stack dump here; the agents take it on a cluster
 
 _seen = False
 
 
 def preempted(agree: bool = False) -> bool:
-    """In a rank: True once the job was told to end (SIGTERM or SIGUSR1 to
-    the kernel's job or to a node's agents); the rank then has the launch's
+    """In a rank: True once the job was told to end (SIGTERM to the kernel,
+    SIGUSR1 to a node's agents); the rank then has the launch's
     ``preempt_grace`` seconds to save and return. False outside a rank.
 
     ``agree=True`` makes it a collective on the default process group (every
@@ -80,7 +81,7 @@ def write_notice(folder: str, text: str) -> None:
 
 
 class Catcher:
-    """SIGTERM and SIGUSR1 to the kernel, for the length of a launch: held
+    """SIGTERM to the kernel, while a launch's ranks run: held
     as a notice instead of ending the kernel (``signal``: the name of the
     first one, None until one came). Outside the main thread no handler can
     be set: nothing is caught there. A node's agent's notice comes through
@@ -99,12 +100,15 @@ class Catcher:
         rank's SIGUSR1 is its stack dump)."""
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
-                self._previous[sig] = signal.signal(sig, self._handler)
+                # A handler set outside Python (faulthandler's, which a process
+                # forked from this one keeps) could not be put back: left alone.
+                if signal.getsignal(sig) is not None:
+                    self._previous[sig] = signal.signal(sig, self._handler)
 
     def disarm(self) -> None:
         """The kernel's own handlers back."""
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(sig, previous)
         self._previous.clear()
 
     def __enter__(self) -> "Catcher":

@@ -1,6 +1,6 @@
 """A long run on this machine: a rank killed as the OOM killer would (SIGKILL)
 restarts the generation and fn resumes from its torch.distributed.checkpoint
-(DCP) checkpoint; a preemption (SIGTERM/SIGUSR1 to the kernel) gives every
+(DCP) checkpoint; a preemption (SIGTERM to the kernel) gives every
 rank nblaunch.preempted() and a grace to save and return. Driven from this
 (pytest) process, with real rank processes."""
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_without_restarts_the_error_is_as_before():
 
 
 def _signal_when_up(folder, n: int, sig: int) -> threading.Thread:
-    """SIGTERM/SIGUSR1 to this process (the launching kernel) once ``n`` ranks are in fn."""
+    """SIGTERM to this process (the launching kernel) once ``n`` ranks are in fn."""
     def send():
         deadline = time.monotonic() + 120
         while len([f for f in os.listdir(folder) if f.startswith("up")]) < n and time.monotonic() < deadline:
@@ -164,7 +164,7 @@ def _signal_when_up(folder, n: int, sig: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_a_preemption_signal_to_the_kernel_lets_every_rank_save_and_return(tmp_path, capsys, sig):
     import torch.distributed.checkpoint as dcp
     import torch
@@ -182,22 +182,22 @@ def test_a_preemption_signal_to_the_kernel_lets_every_rank_save_and_return(tmp_p
 
 
 def test_ranks_that_do_not_return_within_the_grace_are_stopped_with_a_clear_preempted_error(tmp_path):
-    _signal_when_up(tmp_path, 2, signal.SIGUSR1)
+    _signal_when_up(tmp_path, 2, signal.SIGTERM)
     t0 = time.monotonic()
     with pytest.raises(Preempted) as info:
         nblaunch.notebook_launcher(ignore_preemption, (str(tmp_path),), num_processes=2, max_restarts=3,
                                    preempt_grace=2.0, display="none")
     elapsed = time.monotonic() - t0
     err = info.value
-    assert err.signal == "SIGUSR1" and err.step is not None and err.step > 0
-    assert "the launch was preempted (SIGUSR1 to the kernel) at step" in str(err)
+    assert err.signal == "SIGTERM" and err.step is not None and err.step > 0
+    assert "the launch was preempted (SIGTERM to the kernel) at step" in str(err)
     assert "ranks 0, 1 did not return within the 2 s grace" in str(err)
     assert elapsed < 60  # not restarted (max_restarts=3): the job is ending
 
 
 def test_the_grace_is_not_cut_short(tmp_path):
     """The ranks keep running for the whole grace after the notice."""
-    _signal_when_up(tmp_path, 2, signal.SIGUSR1)
+    _signal_when_up(tmp_path, 2, signal.SIGTERM)
     t0 = time.monotonic()
     with pytest.raises(Preempted):
         nblaunch.notebook_launcher(ignore_preemption, (str(tmp_path),), num_processes=2, preempt_grace=4.0,
