@@ -4,11 +4,14 @@ from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
+from .runs import Run, RunStopped, runs, submit
+from .detached import attach
 from .engines.ray import Ray
 from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray"]
+           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray",
+           "submit", "Run", "RunStopped", "runs", "attach"]
 __version__ = "0.1.0"
 
 

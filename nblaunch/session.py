@@ -92,6 +92,9 @@ class Session:
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
         self._messages = 0  # calls sent to live ranks (run, pull, push): their events' call number
+        # A launch's view of each generation, ``make_view(display, show_after=...)``:
+        # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
+        self.make_view = make_display
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class Session:
         pool = engine.new_pool(job, attempt)
         view, outcome = None, "failed"
         try:  # from here on, an interrupt anywhere leaves nothing open
-            view = make_display(c.display, show_after=SHOW_AFTER_S)
+            view = self.make_view(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)

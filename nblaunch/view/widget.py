@@ -30,11 +30,16 @@ class WidgetDisplay(View):
 
     BURST_LINES = PAGE_LINES * MAX_PAGES  # a whole pane at once: a short script's output in full
 
-    def __init__(self, show: bool = True, show_after: float = 0.0):
+    def __init__(self, show: bool = True, show_after: float = 0.0, handle=None):
         """``show_after``: seconds the launch must run before the widgets are
         built; one that ends sooner shows only its final view, as static
-        HTML (building and closing a dozen widgets is most of a short call)."""
+        HTML (building and closing a dozen widgets is most of a short call).
+        ``handle``: a display (``display(..., display_id=True)``) made
+        earlier, in the cell the view belongs to, that the view is drawn
+        into: a background run's view is fed from another thread, whose own
+        ``display`` could land in whichever cell runs then."""
         super().__init__()
+        self._given_handle = handle
         self._display_it = show
         self._show_after = show_after
         self._show_at: Optional[float] = None
@@ -62,7 +67,10 @@ class WidgetDisplay(View):
         import ipywidgets as w
 
         self._build(w)
-        if self._display_it:
+        if self._given_handle is not None:
+            self._handle = self._given_handle
+            self._handle.update(self.box)
+        elif self._display_it:
             from IPython.display import display
 
             self._handle = display(self.box, display_id=True)
@@ -119,6 +127,8 @@ class WidgetDisplay(View):
         self._live_changed = True
         self._draw()
         final = {"text/html": self.static_html(), "text/plain": self.static_text()}
+        if self._handle is None and self._given_handle is not None:
+            self._handle = self._given_handle  # ended before its widgets were due: the final view in its place
         if self._handle is not None:
             self._handle.update(final, raw=True)
             self._close_widgets()
