@@ -44,7 +44,7 @@ from .view.base import in_kernel
 from .engines.plan import SHARED_WHY
 from .wire.payload import check_sendable
 
-__all__ = ["Run", "RunStopped", "submit", "runs", "DONE_STATES"]
+__all__ = ["Run", "RunStopped", "submit", "runs", "register", "unregister", "config_shows_widgets", "DONE_STATES"]
 
 DONE_STATES = ("finished", "failed", "stopped", "timed out")
 _runs: dict = {}  # this kernel's runs, by id, in the order submitted
@@ -168,8 +168,7 @@ class Run:
         """Drop the run from ``nblaunch.runs()`` (stopping it first if it still runs)."""
         if not self.done():
             self.stop()
-        with _runs_lock:
-            _runs.pop(self.id, None)
+        unregister(self.id)
 
     def __repr__(self) -> str:
         took = f", {time.time() - self.started_at:.0f} s" if not self.done() else ""
@@ -331,4 +330,9 @@ def register(run: Run) -> None:
     """Add a run made elsewhere (an attached detached run) to ``runs()``."""
     with _runs_lock:
         _runs[run.id] = run
+
+
+def unregister(run_id: str) -> None:
+    with _runs_lock:
+        _runs.pop(run_id, None)
 
