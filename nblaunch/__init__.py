@@ -4,7 +4,8 @@ from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
-from .runs import Run, RunStopped, runs, submit
+from .background import runs, submit
+from .runs import Run, RunStopped
 from .detached import attach
 from .engines.ray import Ray
 from .engines.slurm import Slurm

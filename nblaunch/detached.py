@@ -32,7 +32,7 @@ from typing import Optional
 
 from . import procid
 from .errors import LaunchError
-from .runs import Run, RunStopped, config_shows_widgets, register, unregister
+from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register, unregister
 from .session import LaunchResults
 from .supervisor import write_atomically
 from .view import WidgetDisplay, make_display
@@ -226,9 +226,7 @@ def start_detached(run_id: str, config, fn, args: list, kwargs: dict) -> Detache
 def attach(run_id: str) -> DetachedRun:
     """The detached run ``run_id`` (see ``nblaunch.runs(all=True)``), its view
     redrawn in this cell with its history, following it until it ends."""
-    from .runs import runs
-
-    for run in runs():
+    for run in kernel_runs():
         if run.id == run_id and run.detached:
             run.follow()
             return run

@@ -1,4 +1,4 @@
-"""Background runs: ``nblaunch.submit`` returns a :class:`Run` at once.
+"""Background runs: ``nblaunch.submit`` (:mod:`nblaunch.background`) returns a :class:`Run` at once.
 
     run = nblaunch.submit(train, args=(cfg,), num_processes=4)   # the cell returns
     run.done(), run.status                                         # meanwhile, in other cells
@@ -33,18 +33,18 @@ import itertools
 import threading
 import time
 import uuid
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-from .config import LaunchConfig, check_call
-from .errors import LaunchError, LaunchTimeout, WorkerError
-from .rank import worker
+from .config import LaunchConfig
+from .errors import LaunchError, LaunchTimeout
 from .session import LaunchResults, Session
 from .view import SHOW_AFTER_S, WidgetDisplay, make_display
 from .view.base import in_kernel
 from .engines.plan import SHARED_WHY
 from .wire.payload import check_sendable
 
-__all__ = ["Run", "RunStopped", "submit", "runs", "register", "unregister", "config_shows_widgets", "DONE_STATES"]
+__all__ = ["Run", "RunStopped", "start_here", "kernel_runs", "new_id", "register", "unregister", "config_shows_widgets",
+           "DONE_STATES"]
 
 DONE_STATES = ("finished", "failed", "stopped", "timed out")
 _runs: dict = {}  # this kernel's runs, by id, in the order submitted
@@ -213,40 +213,7 @@ class Run:
             session.engine.close()  # safe twice: the launch closed it, unless stopped before it began
 
 
-def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, num_processes: int,
-           cpus: Optional[Sequence[int]] = None, devices: Optional[Sequence[int]] = None, detach: bool = False,
-           **options) -> Run:
-    """Start ``fn(*args, **kwargs)`` on ``num_processes`` ranks in the
-    background and return its :class:`Run` at once (the ranks still starting).
-
-    Takes every option of ``notebook_launcher``, and: ``cpus`` (CPU numbers
-    every rank of this run is pinned to; threads per rank split them) and
-    ``devices`` (GPU indices this run's ranks see, as ``CUDA_VISIBLE_DEVICES``),
-    so that several runs can split a machine (a run whose ``devices`` overlap
-    another running one's is refused); ``detach=True``: the run is owned by
-    a supervisor process and survives the kernel (:func:`attach`).
-    The view appears in the calling cell and keeps moving while other cells
-    run. Interrupting a cell never stops a run; ``run.stop()`` does."""
-    args, kwargs = check_call(fn, args, kwargs)
-    if not isinstance(detach, bool):
-        raise TypeError(f"detach must be True or False, got {detach!r}")
-    config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
-    if worker.current_spec() is not None:
-        raise LaunchError("nblaunch.submit was called inside a rank; submit runs from the notebook")
-    _check_devices_free(config)
-    run_id = _new_id()
-    if detach:
-        from .detached import start_detached
-
-        run = start_detached(run_id, config, fn, args, kwargs)
-    else:
-        run = _start_here(run_id, config, fn, args, kwargs)
-    with _runs_lock:
-        _runs[run.id] = run
-    return run
-
-
-def _start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) -> Run:
+def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) -> Run:
     """The run's thread makes its session (its engine: seconds for a cluster's,
     ``import torch`` for the first launch of a kernel) and watches the launch."""
     if config.start_method == "fork":  # said now, not in the run's thread (plan.choose_start_method)
@@ -296,34 +263,14 @@ def config_shows_widgets(display: str) -> bool:
     return display == "auto" and in_kernel() and importlib.util.find_spec("ipywidgets") is not None
 
 
-def _check_devices_free(config: LaunchConfig) -> None:
-    """Refuse GPUs that a running run of this machine uses (this kernel's, or detached)."""
-    if config.devices is None:
-        return
-    for other in runs(all=True):
-        if other.done() or other.config.devices is None:
-            continue
-        taken = sorted(set(config.devices) & set(other.config.devices))
-        if taken:
-            raise ValueError(f"devices {taken} are used by run {other.id} ({other.status}); "
-                             f"give this run other GPUs, or stop that one first (run.stop())")
-
-
-def _new_id() -> str:
+def new_id() -> str:
     return f"{time.strftime('%m%d-%H%M%S')}-{next(_numbers)}-{uuid.uuid4().hex[:4]}"
 
 
-def runs(all: bool = False) -> list:
-    """This kernel's runs, oldest first; ``all=True``: with every detached
-    run of this machine (from other kernels too, or from before a restart)."""
+def kernel_runs() -> list:
+    """This kernel's runs, oldest first."""
     with _runs_lock:
-        mine = list(_runs.values())
-    if not all:
-        return mine
-    from .detached import detached_runs
-
-    known = {r.id for r in mine}
-    return mine + [r for r in detached_runs() if r.id not in known]
+        return list(_runs.values())
 
 
 def register(run: Run) -> None:
