@@ -53,6 +53,8 @@ def plan_ranks(config: LaunchConfig, live: bool = False, shared: bool = False) -
     other launches' threads run in this process (see :func:`choose_start_method`)."""
     n = config.num_processes
     method, reason = choose_start_method(config.start_method, shared=shared)
+    if config.background and reason == SHARED_NOTICE:
+        reason = None  # a background run always starts so (README); the header says forkserver
     gpus = len(config.devices) if config.devices is not None else None
     backend = _resolve_backend(config.backend, n, gpus) if config.init_process_group else None
     threads = config.threads_per_rank or default_threads(n, config.cpus)
