@@ -139,3 +139,33 @@ def test_a_run_outlives_its_killed_kernel_and_another_kernel_attaches(runs_dir, 
         b.shutdown()
     assert not wait_gone(ranks + [supervisor], timeout=10)
     assert not (runs_dir / run_id).exists()
+
+
+def fails():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("missing column")
+    dist.barrier()
+
+
+def test_a_detached_run_s_failure_is_raised_whole_by_result(runs_dir):
+    run = nblaunch.submit(fails, num_processes=2, display="none", detach=True)
+    with pytest.raises(nblaunch.WorkerError, match="rank 1 raised KeyError: 'missing column'") as caught:
+        run.result(timeout=120)
+    assert 'raise KeyError("missing column")' in caught.value.remote_traceback
+    assert run.status == "failed"
+    run.forget()
+
+
+def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(runs_dir, tmp_path):
+    gate = str(tmp_path / "never")
+    run = nblaunch.submit(stepping, args=(gate, 1), num_processes=2, display="none", detach=True)
+    for rank in range(2):
+        _wait_for(f"{gate}.{rank}.pid")
+    ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
+    os.kill(_supervisor(run.run_dir), signal.SIGKILL)
+    with pytest.raises(nblaunch.LaunchError, match="ended without an outcome"):
+        run.result(timeout=30)
+    assert not wait_gone(ranks, timeout=10)
+    run.forget()
