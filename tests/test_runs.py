@@ -184,3 +184,22 @@ def test_devices_are_the_run_s_own_and_overlaps_are_refused(monkeypatch, tmp_pat
     assert again.result(timeout=120)[0][2] == "3"
     for r in (run, other, again):
         r.forget()
+
+
+def on_gpu():
+    import torch
+    import torch.distributed as dist
+
+    return [torch.cuda.device_count(), os.environ["CUDA_VISIBLE_DEVICES"], dist.get_backend(),
+            torch.cuda.get_device_name(0)]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() == 0, reason="needs a GPU")
+def test_devices_on_a_real_gpu_are_the_run_s_only():
+    import torch
+
+    last = torch.cuda.device_count() - 1
+    run = nblaunch.submit(on_gpu, num_processes=1, devices=[last], display="none")
+    seen = run.result(timeout=180)[0]
+    assert seen[:3] == [1, str(last), "nccl"]  # one GPU visible: the one asked for
+    run.forget()
