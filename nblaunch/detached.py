@@ -185,9 +185,10 @@ class DetachedRun(Run):
         if snapshot["generation"] != self._generation:  # a restart's new generation
             self._generation, self._seen_lines = snapshot["generation"], 0
             view.begin(state.world_size, state.method, state.backend, state.log_dir, state.call)
-        new = min(snapshot["lines"] - self._seen_lines, len(state.tail))
+        tail = snapshot["tail"]
+        new = min(snapshot["lines"] - self._seen_lines, len(tail))
         self._seen_lines = snapshot["lines"]
-        fresh = list(state.tail)[len(state.tail) - new:] if new > 0 else []
+        fresh = tail[len(tail) - new:] if new > 0 else []
         view.state = state
         state.changed = True
         for line in fresh:

@@ -76,8 +76,8 @@ class _RunView:
         self._inner.begin(world_size, method, backend, log_dir, call)
 
     def show(self) -> None:
-        self._run._set_status("running")
         self._inner.show()
+        self._run._set_status("running")  # after: a running run's view is there to show again
 
     def tick(self, *a, **kw) -> None:
         if self._run._stop.is_set():

@@ -8,8 +8,9 @@ same call watch, its ranks forked from its own single thread) and keeps
 the run's state on disk in ``RUN_DIR``, for any kernel to read:
 
 - ``state.pkl``: the status, the view's model (progress, metric history,
-  each rank's state, notices, the log tail) and how many lines the ranks
-  wrote, rewritten (atomically) at most ``WRITE_EVERY_S`` apart;
+  each rank's state, notices), the ranks' last ``ATTACH_LINES`` lines and
+  how many they wrote, rewritten (atomically) when it changed, at most
+  every ``WRITE_EVERY_S``;
 - ``outcome.pkl``: once the run ends, its status and the results (with the
   log files) or the error;
 - ``logs/``: each rank's full output (``NBLAUNCH_LOG_DIR``);
@@ -21,6 +22,7 @@ supervisor leaves once the outcome is written; the files stay until
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -29,9 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "write_atomically", "WRITE_EVERY_S"]
+__all__ = ["main", "write_atomically", "WRITE_EVERY_S", "ATTACH_LINES"]
 
 WRITE_EVERY_S = 0.25
+ATTACH_LINES = 2000  # the ranks' last lines kept for a kernel that attaches (every line is in logs/)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -61,6 +64,7 @@ def _recorder_class():
             self.lines = 0  # lines the ranks wrote, all told (the tail keeps the last ones)
             self.status = "starting"
             self._written = 0.0
+            self.tail: collections.deque = collections.deque(maxlen=ATTACH_LINES)
 
         def show(self) -> None:
             self.status = "running"
@@ -68,16 +72,22 @@ def _recorder_class():
 
         def rank_lines(self, rank: int, lines: list) -> None:
             label = self.state.label(rank)
-            self.state.tail.extend(f"[rank {label}] {strip(clip(line))}" for line in lines)
+            tagged = [f"[rank {label}] {strip(clip(line))}" for line in lines]
+            self.state.tail.extend(tagged[-self.state.tail.maxlen:])
+            self.tail.extend(tagged[-ATTACH_LINES:])
             self.lines += len(lines)
+            self.state.changed = True
 
         def notice(self, text: str) -> None:
             self.state.notices.append(text)
+            self.state.changed = True
 
         def tick(self, force: bool = False) -> None:
             if self._stopping():
                 raise _Stop()
-            if force or time.monotonic() - self._written >= WRITE_EVERY_S:
+            # Only what changed: the model holds every metric's history (up to
+            # view.state.MAX_POINTS a rank), not to be rewritten for nothing all night.
+            if force or (self.state.changed and time.monotonic() - self._written >= WRITE_EVERY_S):
                 self.write()
 
         def close(self, outcome: str) -> None:
@@ -87,7 +97,8 @@ def _recorder_class():
 
         def write(self) -> None:
             self._written = time.monotonic()
-            snapshot = {"status": self.status, "state": self.state, "lines": self.lines,
+            self.state.changed = False
+            snapshot = {"status": self.status, "state": self.state, "lines": self.lines, "tail": list(self.tail),
                         "generation": self.generation, "written": time.time()}
             write_atomically(self._path, pickle.dumps(snapshot))
 

@@ -74,6 +74,22 @@ def test_the_cell_returns_and_the_view_moves_in_its_cell_while_others_run(kernel
               and m["content"]["transient"]["display_id"] == display_ids[0]]
     assert finals and "finished" in finals[-1]["content"]["data"]["text/plain"]
     assert not [m for m in msgs if m["msg_type"] == "display_data" and m["parent_header"].get("msg_id") == second]
+    # run.view(): the view again, in the cell that asks (its final state, once it ended).
+    shown = kernel.execute("run.view()")
+    again = [m["content"]["data"] for m in shown.outputs if m["msg_type"] == "display_data"]
+    assert len(again) == 1 and "nblaunch: finished" in again[0]["text/html"]
+
+
+def test_run_view_shows_the_live_view_in_another_cell(kernel, tmp_path):
+    gate = tmp_path / "gate"
+    r = kernel.execute(TRAIN + f"run = nblaunch.submit(train, args=({str(gate)!r}, 5), num_processes=2)\n"
+                       "while run.status != 'running':\n    time.sleep(0.05)\n")
+    assert r.error is None, r.error
+    shown = kernel.execute("run.view()")
+    live = [m["content"]["data"] for m in shown.outputs if m["msg_type"] == "display_data"]
+    assert len(live) == 1 and "application/vnd.jupyter.widget-view+json" in live[0]  # the same widgets, live
+    r = kernel.execute(f"open({str(gate)!r}, 'w').close()\nprint('RESULT', run.result(timeout=120))")
+    assert "RESULT [0, 1]" in r.stdout, r.text
 
 
 def test_interrupting_a_cell_leaves_the_run_alone_and_stop_ends_it(kernel, tmp_path):
