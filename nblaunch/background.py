@@ -3,6 +3,7 @@
 owned by a supervisor, ``attach``)."""
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional, Sequence
 
 from .config import LaunchConfig, check_call
@@ -12,6 +13,8 @@ from .rank import worker
 from .runs import Run, kernel_runs, new_id, register, start_here
 
 __all__ = ["submit", "runs"]
+
+_submitting = threading.Lock()
 
 
 def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, num_processes: int,
@@ -34,10 +37,10 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, 
     config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
     if worker.current_spec() is not None:
         raise LaunchError("nblaunch.submit was called inside a rank; submit runs from the notebook")
-    _check_devices_free(config)
-    run_id = new_id()
-    run = (start_detached if detach else start_here)(run_id, config, fn, args, kwargs)
-    register(run)
+    with _submitting:  # two submits at once cannot both take the same free GPUs
+        _check_devices_free(config)
+        run = (start_detached if detach else start_here)(new_id(), config, fn, args, kwargs)
+        register(run)
     return run
 
 

@@ -49,3 +49,7 @@ def test_cell_magic_in_the_background_returns_the_run_at_once(kernel, tmp_path):
     assert shown.startswith("<nblaunch.Run ") and "2 ranks" in shown
     r = kernel.execute("run = _\nopen(GATE, 'w').close()\nprint('RESULT', run.result(timeout=120), run.status)")
     assert "RESULT [0, 3] finished" in r.stdout, r.text
+    r = kernel.execute("%%nblaunch -n 2 --detach --display none\nrank + SCALE\n")
+    assert r.error is None, r.error
+    r = kernel.execute("run = _\nprint('RESULT', run.result(timeout=120), run.detached)\nrun.forget()")
+    assert "RESULT [3, 4] True" in r.stdout, r.text
