@@ -17,6 +17,7 @@ interrupt stops a launch.
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import os
 import pickle
@@ -67,6 +68,9 @@ class DetachedRun(Run):
         self._generation = -1
         self._follower: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._state_key: tuple = ()
+        self._snapshot: Optional[dict] = None
+        self._drawn: Optional[dict] = None  # the snapshot the view shows
 
     # -- what is on disk -------------------------------------------------------------
 
@@ -99,7 +103,7 @@ class DetachedRun(Run):
             if outcome is not None:
                 self._conclude(outcome)
                 return None
-            snapshot = snapshot or _load(self.run_dir / "state.pkl")
+            snapshot = snapshot or self._state()
             if snapshot is not None:
                 self._status = "running" if snapshot["status"] == "running" else self._status
                 self.log_dir = snapshot["state"].log_dir or self.log_dir
@@ -110,6 +114,16 @@ class DetachedRun(Run):
                     f"with it. Its output: {log}; the ranks' output: {self.run_dir / 'logs'}"))
                 return None
             return snapshot
+
+    def _state(self) -> Optional[dict]:
+        """state.pkl, read again only once rewritten (it holds every metric's history)."""
+        try:
+            st = (self.run_dir / "state.pkl").stat()
+        except OSError:
+            return None
+        if (st.st_mtime_ns, st.st_size, st.st_ino) != self._state_key:
+            self._state_key, self._snapshot = (st.st_mtime_ns, st.st_size, st.st_ino), _load(self.run_dir / "state.pkl")
+        return self._snapshot
 
     def _conclude(self, outcome: dict) -> None:
         status = outcome["status"]
@@ -174,13 +188,16 @@ class DetachedRun(Run):
                 break
             self._draw(view, snapshot)
             time.sleep(FOLLOW_EVERY_S)
-        self._draw(view, _load(self.run_dir / "state.pkl"))
+        self._draw(view, self._state())
         view.close(self._status)
 
     def _draw(self, view, snapshot: Optional[dict]) -> None:
         """The supervisor's model, and the lines printed since the last draw."""
-        if snapshot is None:
+        if snapshot is None or snapshot is self._drawn:
+            if snapshot is not None:
+                view.tick()  # the elapsed time moves on
             return
+        self._drawn = snapshot
         state = snapshot["state"]
         if snapshot["generation"] != self._generation:  # a restart's new generation
             self._generation, self._seen_lines = snapshot["generation"], 0
@@ -191,10 +208,12 @@ class DetachedRun(Run):
         fresh = tail[len(tail) - new:] if new > 0 else []
         view.state = state
         state.changed = True
+        kept = collections.deque(state.tail, maxlen=state.tail.maxlen)  # the supervisor's tail, already whole
         for line in fresh:
             m = _LINE.match(line)
             if m:
                 view.rank_lines(int(m.group(1)) - state.first_rank, [m.group(2)])
+        state.tail = kept
         if getattr(view, "box", True) is None:
             view.show()
         view.tick(force=True) if isinstance(view, WidgetDisplay) else view.tick()
@@ -202,12 +221,14 @@ class DetachedRun(Run):
 
 def start_detached(run_id: str, config, fn, args: list, kwargs: dict) -> DetachedRun:
     """Write the run's folder and start its supervisor (in a session of its own)."""
-    run_dir = runs_root() / run_id
-    run_dir.mkdir(parents=True)
+    root = runs_root()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir = root / run_id
+    run_dir.mkdir(mode=0o700)  # its pickles are loaded by the supervisor and by kernels: this user's alone
     try:
         job = CloudJob(fn, tuple(args), kwargs).pack(sharing=False)  # by value: the supervisor is a new process
-        write_atomically(run_dir / "job.pkl", pickle.dumps({"config": config, "job": job, "path": sys.path,
-                                                           "cwd": os.getcwd(), "submitted": time.time()}))
+        write_atomically(run_dir / "run.pkl", pickle.dumps({"config": config, "submitted": time.time()}))
+        write_atomically(run_dir / "job.pkl", pickle.dumps({"job": job, "path": sys.path, "cwd": os.getcwd()}))
         package_parent = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent,
                                                                        os.environ.get("PYTHONPATH")])))
@@ -250,7 +271,9 @@ def detached_runs() -> list:
 
 
 def _read(run_dir: Path) -> Optional[DetachedRun]:
-    asked = _load(run_dir / "job.pkl")
+    if not _mine(run_dir):
+        return None
+    asked = _load(run_dir / "run.pkl")
     if asked is None:
         return None
     run = DetachedRun(run_dir.name, asked["config"], run_dir)
@@ -260,13 +283,22 @@ def _read(run_dir: Path) -> Optional[DetachedRun]:
 
 
 def _load(path: Path) -> Optional[dict]:
-    """A file written whole (``os.replace``), or None if not there (yet).
-    job.pkl's job stays bytes: only its config and times are read here."""
+    """A file written whole (``os.replace``), or None if not there (yet)."""
     try:
         data = path.read_bytes()
     except OSError:
         return None
     return pickle.loads(data)
+
+
+def _mine(run_dir: Path) -> bool:
+    """A run folder this user made and no one else may write to: what is
+    unpickled from it is trusted as the user's own."""
+    try:
+        st = run_dir.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _identity(run_dir: Path) -> Optional[str]:

@@ -5,7 +5,9 @@ A small process in a session of its own (started with ``setsid`` by
 kills the kernel's whole process group; a crash) does not reach it. It runs
 the launch the kernel asked for (a :class:`~nblaunch.session.Session`, the
 same call watch, its ranks forked from its own single thread) and keeps
-the run's state on disk in ``RUN_DIR``, for any kernel to read:
+the run's state on disk in ``RUN_DIR`` (the user's alone, mode 0700), for
+any kernel of that user to read; it was given ``run.pkl`` (the config) and
+``job.pkl`` (the call, removed once read), and writes:
 
 - ``state.pkl``: the status, the view's model (progress, metric history,
   each rank's state, notices), the ranks' last ``ATTACH_LINES`` lines and
@@ -116,10 +118,12 @@ def main(run_dir: str) -> int:
     from .session import Session
 
     asked = pickle.loads((here / "job.pkl").read_bytes())
+    (here / "job.pkl").unlink()  # it may be large (arguments by value), and is needed only now
     # Where the kernel found its modules: the job names its functions' modules (by reference).
     sys.path[:0] = [p for p in asked["path"] if p not in sys.path]
     os.chdir(asked["cwd"])
-    config = dataclasses.replace(asked["config"], background=False, display="none")
+    config = dataclasses.replace(pickle.loads((here / "run.pkl").read_bytes())["config"], background=False,
+                                 display="none")
     Recorder = _recorder_class()
     views: list = []
 
