@@ -84,6 +84,14 @@ class _RunView:
             raise _StopRequested()
         self._inner.tick(*a, **kw)
 
+    def notice(self, text: str) -> None:
+        if self._run._stop.is_set() and text.startswith("interrupted;"):  # the watch's word for any stop
+            text = "stopped by run.stop();" + text[len("interrupted;"):]
+        self._inner.notice(text)
+
+    def close(self, outcome: str) -> None:
+        self._inner.close("stopped" if outcome == "interrupted" and self._run._stop.is_set() else outcome)
+
 
 class Run:
     """A launch training in the background (``concurrent.futures.Future``-like).
@@ -200,9 +208,13 @@ class Run:
             if self._stop.is_set():
                 raise _StopRequested()
             results = session.launch(fn, args, kwargs)
-        except _StopRequested:
+        except _StopRequested as exc:
+            # The watch's interrupt report: where each rank was when stopped.
+            where = getattr(exc, "_render_traceback_", lambda: [])()[1:2]
             self._finish("stopped", error=RunStopped(
-                f"run {self.id} was stopped (run.stop()); every rank was stopped. Full output: {self.log_dir}"))
+                f"run {self.id} was stopped (run.stop()); every rank was stopped"
+                + ("; where each rank was (innermost frame first):\n" + where[0] if where else "")
+                + f"\nFull output: {self.log_dir}"))
         except LaunchTimeout as exc:
             self._finish("timed out", error=exc)
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()

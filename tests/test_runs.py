@@ -123,8 +123,11 @@ def test_stop_ends_every_rank_and_what_it_started(tmp_path):
     assert all(psutil.pid_exists(p) for p in pids)
     run.stop()
     assert run.done() and run.status == "stopped"
-    with pytest.raises(RunStopped, match="was stopped"):
+    with pytest.raises(RunStopped, match="was stopped") as stopped:
         run.result()
+    assert "in forever" in str(stopped.value)  # where each rank was when stopped
+    view = run._views[-1] if run._views else None
+    assert view is None or view.state.state == "stopped"
     assert not wait_gone(pids, timeout=10)
     run.stop()  # twice is fine
     run.forget()
@@ -203,3 +206,20 @@ def test_devices_on_a_real_gpu_are_the_run_s_only():
     seen = run.result(timeout=180)[0]
     assert seen[:3] == [1, str(last), "nccl"]  # one GPU visible: the one asked for
     run.forget()
+
+
+def fails_first_time():
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError("first try")
+    return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def test_timeouts_and_restarts_work_as_in_a_launch():
+    napping = nblaunch.submit(time.sleep, args=(60,), num_processes=2, timeout=2, display="none")
+    restarted = nblaunch.submit(fails_first_time, num_processes=2, max_restarts=1, display="none")
+    assert restarted.result(timeout=120) == [1, 1] and restarted.status == "finished"
+    with pytest.raises(nblaunch.LaunchTimeout, match="did not finish within 2 s"):
+        napping.result(timeout=120)
+    assert napping.status == "timed out"
+    for run in (napping, restarted):
+        run.forget()
