@@ -40,6 +40,7 @@ from .errors import LaunchError, LaunchTimeout
 from .session import LaunchResults, Session
 from .view import SHOW_AFTER_S, WidgetDisplay, make_display
 from .view.base import in_kernel
+from .engines import inflight
 from .engines.plan import SHARED_WHY
 from .wire.payload import check_sendable
 
@@ -202,27 +203,33 @@ class Run:
             except Exception as exc:  # noqa: BLE001 - one callback must not keep the others
                 print(f"[nblaunch] run {self.id}: a done callback failed: {exc!r}")
 
-    def _watch(self, session: Session, fn, args, kwargs) -> None:
-        """The run's thread: the launch, its verdict kept for ``result``."""
+    def _watch(self, session: Session, fn, args, kwargs, release: Callable[[], None]) -> None:
+        """The run's thread: the launch, its verdict kept for ``result``.
+        ``release`` (once the ranks are gone, before the verdict is out):
+        the run is no longer in flight."""
+        status, results, error = "failed", None, None
         try:
             if self._stop.is_set():
                 raise _StopRequested()
             results = session.launch(fn, args, kwargs)
+            status = "finished"
         except _StopRequested as exc:
             # The watch's interrupt report: where each rank was when stopped.
             where = getattr(exc, "_render_traceback_", lambda: [])()[1:2]
-            self._finish("stopped", error=RunStopped(
+            status, error = "stopped", RunStopped(
                 f"run {self.id} was stopped (run.stop()); every rank was stopped"
                 + ("; where each rank was (innermost frame first):\n" + where[0] if where else "")
-                + f"\nFull output: {self.log_dir}"))
+                + f"\nFull output: {self.log_dir}")
         except LaunchTimeout as exc:
-            self._finish("timed out", error=exc)
+            status, error = "timed out", exc
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()
-            self._finish("failed", error=exc)
-        else:
-            self._finish("finished", results=results)
+            error = exc
         finally:
-            session.engine.close()  # safe twice: the launch closed it, unless stopped before it began
+            try:
+                session.engine.close()  # safe twice: the launch closed it, unless stopped before it began
+            finally:
+                release()
+        self._finish(status, results=results, error=error)
 
 
 def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) -> Run:
@@ -234,18 +241,26 @@ def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) 
     check_sendable(fn, args, kwargs)  # pickled for the forkserver: what cannot be sent is named now
     run = Run(run_id, config)
     make_view = _view_maker(run)
+    # In flight from now, not from when its thread has made the engine: a
+    # launch the cell makes next must not fork while this thread runs.
+    inflight.enter(lambda others: None)
 
     def watch() -> None:
         try:
             session = Session(config, live=False)
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()
+            inflight.leave()
             run._finish("failed", error=exc)
             return
         session.make_view = make_view
-        run._watch(session, fn, args, kwargs)
+        run._watch(session, fn, args, kwargs, release=inflight.leave)
 
-    threading.Thread(target=contextvars.copy_context().run, args=(watch,), name=f"nblaunch-run-{run_id}",
-                     daemon=True).start()
+    try:
+        threading.Thread(target=contextvars.copy_context().run, args=(watch,), name=f"nblaunch-run-{run_id}",
+                         daemon=True).start()
+    except BaseException:
+        inflight.leave()
+        raise
     return run
 
 

@@ -106,12 +106,16 @@ def test_two_runs_train_side_by_side_with_their_own_ports_and_groups(tmp_path):
 def test_a_foreground_launch_while_a_run_trains_starts_from_the_forkserver(tmp_path, capsys):
     gate = str(tmp_path / "gate")
     run = nblaunch.submit(gated, args=(gate,), num_processes=2, display="none")
+    with pytest.raises(ValueError, match="'fork' cannot be used while other runs are in flight"):
+        nblaunch.notebook_launcher(gated, args=(gate,), num_processes=2, start_method="fork")
     open(gate, "w").close()
     out = nblaunch.notebook_launcher(gated, args=(gate,), num_processes=2, display="text")
     assert [r[0] for r in out] == [0, 1]
     assert "forkserver" in capsys.readouterr().out
     assert [r[0] for r in run.result(timeout=120)] == [0, 1]
     run.forget()
+    nblaunch.notebook_launcher(gated, args=(gate,), num_processes=2, display="text")
+    assert "(fork, gloo)" in capsys.readouterr().out  # alone again: forked by the zygote
 
 
 def test_stop_ends_every_rank_and_what_it_started(tmp_path):
