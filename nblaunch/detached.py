@@ -33,7 +33,7 @@ from typing import Optional
 
 from . import procid
 from .errors import LaunchError
-from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register, unregister
+from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register
 from .session import LaunchResults
 from .supervisor import write_atomically
 from .view import WidgetDisplay, make_display
@@ -160,7 +160,7 @@ class DetachedRun(Run):
         if self._proc is not None:
             self._proc.wait(1)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        unregister(self.id)
+        super().forget()
 
     # -- the view -------------------------------------------------------------------------
 
@@ -174,7 +174,8 @@ class DetachedRun(Run):
             from IPython.display import HTML, display
 
             handle = display(HTML(f"<i>nblaunch: run {self.id}</i>"), display_id=True)
-        view = WidgetDisplay(handle=handle) if handle is not None else make_display(self.config.display)
+        view = (WidgetDisplay(handle=handle, keep_widgets=True) if handle is not None
+                else make_display(self.config.display))
         self._views.append(view)
         self._draw(view, self.refresh())
         self._follower = threading.Thread(target=contextvars.copy_context().run, args=(self._follow, view),

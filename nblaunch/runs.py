@@ -166,9 +166,9 @@ class Run:
         view = self._views[-1] if self._views else None
         if view is None:
             print(repr(self))
-        elif getattr(view, "box", None) is not None:
+        elif getattr(view, "box", None) is not None and not self.done():
             display(view.box)
-        elif hasattr(view, "static_html"):
+        elif hasattr(view, "static_html") and getattr(view, "header", None) is not None:
             display({"text/html": view.static_html(), "text/plain": view.static_text()}, raw=True)
         else:
             print(repr(self))
@@ -177,6 +177,9 @@ class Run:
         """Drop the run from ``nblaunch.runs()`` (stopping it first if it still runs)."""
         if not self.done():
             self.stop()
+        for view in self._views:  # the widgets a reopened tab would show: kept until now
+            if isinstance(view, WidgetDisplay):
+                view.drop_widgets()
         unregister(self.id)
 
     def __repr__(self) -> str:
@@ -274,7 +277,8 @@ def _view_maker(run: Run) -> Callable:
         handle = display(HTML(f"<i>nblaunch: run {run.id} starting</i>"), display_id=True)
 
     def make(kind: str, show_after: float = SHOW_AFTER_S):
-        inner = WidgetDisplay(handle=handle) if handle is not None else make_display(kind, show_after=show_after)
+        inner = (WidgetDisplay(handle=handle, keep_widgets=True) if handle is not None
+                 else make_display(kind, show_after=show_after))
         run._views.append(inner)
         return _RunView(run, inner)
 

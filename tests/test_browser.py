@@ -412,3 +412,9 @@ def test_a_background_run_s_view_comes_back_with_a_reopened_tab(lab, tmp_path):
         page.wait_for_timeout(100)
         view = page.evaluate(READ_RUN_VIEW)
     assert "[rank 1] while closed 79" in view["text"]
+    # And it stays: the widgets are kept (the reopened tab's output names them, not the display that gets
+    # the static copy), so the end does not blank it.
+    for _ in range(10):
+        page.wait_for_timeout(200)
+        view = page.evaluate(READ_RUN_VIEW)
+        assert view["header"].startswith("nblaunch: finished"), view
