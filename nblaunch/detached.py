@@ -64,13 +64,9 @@ class DetachedRun(Run):
         super().__init__(run_id, config)
         self.run_dir = run_dir
         self._proc = proc  # the supervisor, where this kernel started it (reaped here)
-        self._seen_lines = 0
-        self._generation = -1
-        self._follower: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._state_key: tuple = ()
         self._snapshot: Optional[dict] = None
-        self._drawn: Optional[dict] = None  # the snapshot the view shows
 
     # -- what is on disk -------------------------------------------------------------
 
@@ -108,6 +104,9 @@ class DetachedRun(Run):
                 self._status = "running" if snapshot["status"] == "running" else self._status
                 self.log_dir = snapshot["state"].log_dir or self.log_dir
             if not _supervisor_running(self.run_dir) and _load(self.run_dir / "outcome.pkl") is None:
+                if self._stop.is_set():  # stopped before it could say so (SIGTERM while it started)
+                    self._conclude({"status": "stopped"})
+                    return None
                 log = self.run_dir / "supervisor.log"
                 self._finish("failed", error=LaunchError(
                     f"the supervisor of run {self.id} ended without an outcome (killed?); its ranks ended "
@@ -141,6 +140,7 @@ class DetachedRun(Run):
 
     def stop(self, timeout: Optional[float] = 30.0) -> None:
         if not self.done():
+            self._stop.set()
             _signal_supervisor(self.run_dir, signal.SIGTERM)
         try:
             self.exception(timeout)
@@ -177,35 +177,37 @@ class DetachedRun(Run):
         view = (WidgetDisplay(handle=handle, keep_widgets=True) if handle is not None
                 else make_display(self.config.display))
         self._views.append(view)
-        self._draw(view, self.refresh())
-        self._follower = threading.Thread(target=contextvars.copy_context().run, args=(self._follow, view),
-                                          name=f"nblaunch-follow-{self.id}", daemon=True)
-        self._follower.start()
+        drawn = {"snapshot": None, "lines": 0, "generation": -1}  # what this view shows
+        self._draw(view, self.refresh(), drawn)
+        threading.Thread(target=contextvars.copy_context().run, args=(self._follow, view, drawn),
+                         name=f"nblaunch-follow-{self.id}", daemon=True).start()
 
-    def _follow(self, view) -> None:
+    def _follow(self, view, drawn: dict) -> None:
         while True:
             snapshot = self.refresh()
             if snapshot is None and self._done.is_set():
                 break
-            self._draw(view, snapshot)
+            self._draw(view, snapshot, drawn)
             time.sleep(FOLLOW_EVERY_S)
-        self._draw(view, self._state())
+        self._draw(view, self._state(), drawn)
         view.close(self._status)
 
-    def _draw(self, view, snapshot: Optional[dict]) -> None:
-        """The supervisor's model, and the lines printed since the last draw."""
-        if snapshot is None or snapshot is self._drawn:
+    def _draw(self, view, snapshot: Optional[dict], drawn: dict) -> None:
+        """The supervisor's model, and the lines printed since ``drawn`` (this view's last draw)."""
+        if snapshot is None or snapshot is drawn["snapshot"]:
             if snapshot is not None:
                 view.tick()  # the elapsed time moves on
             return
-        self._drawn = snapshot
+        drawn["snapshot"] = snapshot
         state = snapshot["state"]
-        if snapshot["generation"] != self._generation:  # a restart's new generation
-            self._generation, self._seen_lines = snapshot["generation"], 0
+        if len(self._views) > 1:  # each view its own model (a view marks what it drew in it)
+            state = pickle.loads(pickle.dumps(state))
+        if snapshot["generation"] != drawn["generation"]:  # a restart's new generation
+            drawn["generation"], drawn["lines"] = snapshot["generation"], 0
             view.begin(state.world_size, state.method, state.backend, state.log_dir, state.call)
         tail = snapshot["tail"]
-        new = min(snapshot["lines"] - self._seen_lines, len(tail))
-        self._seen_lines = snapshot["lines"]
+        new = min(snapshot["lines"] - drawn["lines"], len(tail))
+        drawn["lines"] = snapshot["lines"]
         fresh = tail[len(tail) - new:] if new > 0 else []
         view.state = state
         state.changed = True

@@ -169,3 +169,22 @@ def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(runs_dir, tmp_p
         run.result(timeout=30)
     assert not wait_gone(ranks, timeout=10)
     run.forget()
+
+
+def test_stop_at_once_and_two_views_of_one_run(runs_dir, tmp_path):
+    at_once = nblaunch.submit(stepping, args=(str(tmp_path / "never"), 1), num_processes=2, display="none",
+                              detach=True)
+    at_once.stop()  # the supervisor may not have set up its handler yet: still a stop, never a failure
+    assert at_once.status == "stopped"
+    at_once.forget()
+    gate = str(tmp_path / "gate")
+    run = nblaunch.submit(stepping, args=(gate, 5), num_processes=2, display="text", detach=True)
+    again = nblaunch.attach(run.id)  # a second view of the same run, in this process
+    assert again is run and len(run._views) == 2
+    open(gate, "w").close()
+    assert run.result(timeout=120) == [0, 10]
+    deadline = time.monotonic() + 30
+    while any(v.state.state != "finished" for v in run._views):  # each follower closes its own view
+        assert time.monotonic() < deadline, [v.state.state for v in run._views]
+        time.sleep(0.05)
+    run.forget()
