@@ -2,6 +2,7 @@
 from .data import sharded_loader
 from .errors import LaunchError, LaunchTimeout, RankFailure, WorkerError
 from .launcher import notebook_launcher
+from .postmortem import debug
 from .progress import log, progress
 from .session import LaunchResults, Ranks, start
 from .background import runs, submit
@@ -11,7 +12,7 @@ from .engines.ray import Ray
 from .engines.slurm import Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray",
+           "WorkerError", "LaunchTimeout", "RankFailure", "Slurm", "Ray", "debug",
            "submit", "Run", "RunStopped", "runs", "attach"]
 __version__ = "0.1.0"
 

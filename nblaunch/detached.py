@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import procid
-from .errors import LaunchError
+from .errors import LaunchError, WorkerError
+from .postmortem import with_rank_frames
 from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register
 from .session import LaunchResults
 from .supervisor import write_atomically
@@ -133,7 +134,10 @@ class DetachedRun(Run):
             self._finish(status, error=RunStopped(f"run {self.id} was stopped (run.stop()); every rank was "
                                                   f"stopped. Full output: {self.log_dir}"))
         else:
-            self._finish(status, error=outcome.get("error") or LaunchError(
+            error = outcome.get("error")
+            if isinstance(error, WorkerError):  # its traceback did not travel: %debug opens the rank's frames
+                error = with_rank_frames(error)
+            self._finish(status, error=error or LaunchError(
                 f"run {self.id} {status}: {outcome.get('error_text', '')}".strip()))
 
     # -- acting ------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class RankFailure:
     last_lines: tuple[str, ...] = ()
     node: Optional[int] = None  # set in a multi-node launch
     exception: Optional[BaseException] = field(default=None, compare=False, repr=False)
+    frames: Optional[bytes] = field(default=None, compare=False, repr=False)  # rank.postmortem.snapshot
 
     @property
     def label(self) -> str:
@@ -133,7 +134,7 @@ class RankFailure:
 # -- every way a RankFailure is made ------------------------------------------
 
 def reported(rank: int, node: Optional[int], time: float, exc_type: str, message: str, traceback: str,
-             exception: Optional[bytes], interrupted: bool = False) -> RankFailure:
+             exception: Optional[bytes], interrupted: bool = False, frames: Optional[bytes] = None) -> RankFailure:
     """A rank's own report of an exception (``channel.Failure``). On live
     ranks, a ``KeyboardInterrupt`` nblaunch asked for is kind
     ``interrupted``: the rank is kept, and it is no one's root cause."""
@@ -144,7 +145,7 @@ def reported(rank: int, node: Optional[int], time: float, exc_type: str, message
     except Exception:
         exc = None
     return RankFailure(rank, "exception", time, exc_type=exc_type, message=message, remote_traceback=traceback,
-                       exception=exc, exitcode=1, node=node)  # the worker's exit code after a report
+                       exception=exc, exitcode=1, node=node, frames=frames)  # the worker's exit code after a report
 
 
 def unreadable_result(rank: int, node: Optional[int], time: float, exc: BaseException) -> RankFailure:
@@ -182,8 +183,8 @@ MAX_RECORD_TRACEBACK = 65536
 
 def to_record(failure: RankFailure) -> str:
     """A failure as JSON, to tell other nodes (the exception object stays here)."""
-    record = {k: v for k, v in dataclasses.asdict(dataclasses.replace(failure, exception=None)).items()
-              if k != "exception"}
+    record = {k: v for k, v in dataclasses.asdict(dataclasses.replace(failure, exception=None, frames=None)).items()
+              if k not in ("exception", "frames")}
     record["remote_traceback"] = record["remote_traceback"][-MAX_RECORD_TRACEBACK:]
     return json.dumps(record)
 

@@ -38,6 +38,7 @@ from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
 from .live_watch import LiveCallWatch
+from .postmortem import with_rank_frames
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
 
 __all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
@@ -377,7 +378,7 @@ class Ranks:
 
 def _with_note(exc: BaseException, note: str) -> BaseException:
     if isinstance(exc, WorkerError):
-        return WorkerError(exc.failures, exc.log_dir, note=note)
+        return with_rank_frames(WorkerError(exc.failures, exc.log_dir, note=note))
     if isinstance(exc, LaunchTimeout):
         return LaunchTimeout(f"{exc}\n{note}", log_dir=exc.log_dir)
     render = getattr(exc, "_render_traceback_", None)

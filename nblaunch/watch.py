@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import errors
-from .wire.channel import RELEASE, Failure, GpuMemory, Metrics, Phase, Progress, Result, Started, Stopping
+from .wire.channel import RELEASE, Failure, GpuMemory, Metrics, Paused, Phase, Progress, Prompt, Result, Started, Stopping
 from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures,
                      render_interrupt)
 from .engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
+from .debug_desk import DebugDesk
+from .postmortem import with_rank_frames
 from .resources import Sampler
 from .rules import LeftEarly, Stalls
 from .rank.results import max_result_bytes
@@ -91,6 +93,7 @@ class CallWatch:
         self._left = LeftEarly()
         self._result_bytes = 0  # results received so far, all ranks
         self.broken: Optional[str] = None  # live ranks: why they cannot be trusted any more
+        self._desk = DebugDesk(pool, view, self._in_call)
 
     # -- the call ------------------------------------------------------------------
 
@@ -106,7 +109,8 @@ class CallWatch:
             self._view.show()
             while not self._over():
                 self._pass()
-                if self._timeout is not None and time.monotonic() - t0 > self._timeout and not self.broken:
+                if (self._timeout is not None and time.monotonic() - t0 - self._desk.held() > self._timeout
+                        and not self.broken and not self._desk.paused):
                     self._time_out()
         except KeyboardInterrupt as exc:
             self._interrupted_by_user(exc)
@@ -142,6 +146,7 @@ class CallWatch:
         consequence's hold, the kill after a grace, stalls, ranks that left,
         other nodes, interrupt answers, resources) and a redraw."""
         self._apply(self._pool.poll(TICK_S))
+        self._desk.serve()
         now = time.monotonic()
         if self._stop_at is not None and (now >= self._stop_at or self._call_over()):
             self._stop_at = None
@@ -150,9 +155,10 @@ class CallWatch:
             self._signal(signal.SIGKILL)  # and what the stopped ranks left behind
             self._stop_deadline = float("inf")
         running = set(self._in_call())
-        for text in self._stalls.check(now, running, self._pool.global_rank):
-            self._view.notice(text)
-        self._check_departures(now)
+        if not self._desk.paused:  # its peers wait for a rank in its debugger; the stall clock stands still
+            for text in self._stalls.check(now - self._desk.held(), running, self._pool.global_rank):
+                self._view.notice(text)
+            self._check_departures(now)
         self._check_others(now)
         if self._sampler is not None:
             usage = self._pool.usage(self._sampler)
@@ -187,7 +193,7 @@ class CallWatch:
         if getattr(event, "call", self.call) != self.call:
             return  # a live rank's bar of its last call, sent as that call ended
         if isinstance(event, Progress):
-            self._stalls.moved(rank, event.key, event.n, event.total, event.desc, time.monotonic())
+            self._stalls.moved(rank, event.key, event.n, event.total, event.desc, time.monotonic() - self._desk.held())
             self._view.progress(event)
         elif isinstance(event, Metrics):
             self._view.metrics(event)
@@ -201,9 +207,11 @@ class CallWatch:
             part.seq = event.seq
             self._fail(rank, errors.reported(self._pool.global_rank(rank), self._pool.node(rank), event.time,
                                              event.exc_type, event.message, event.traceback, event.exception,
-                                             interrupted=part.interrupted))
+                                             interrupted=part.interrupted, frames=event.frames))
         elif isinstance(event, Stopping):
             self._on_stopping(rank, event)
+        elif isinstance(event, (Prompt, Paused)):
+            self._desk.on_event(rank, event)
         elif isinstance(event, Phase):
             self._view.rank_phase(rank, event.what)
 
@@ -234,6 +242,7 @@ class CallWatch:
 
     def _fail(self, rank: int, failure: RankFailure) -> None:
         self._parts[rank].failure = failure
+        self._desk.gone(rank)
         self._view.rank_status(rank, failure.row)
         if failure.kind in errors.NBLAUNCH_ENDED:
             return
@@ -354,7 +363,7 @@ class CallWatch:
         if not failures:
             return [p.result for p in self._parts]
         error = WorkerError(failures, log_dir=str(self._pool.log_dir))
-        raise error from error.root.exception
+        raise with_rank_frames(error) from error.root.exception
 
 
 def _healthy_first(parts: list[_Part]) -> list[int]:

@@ -232,7 +232,7 @@ class RowsUpdate:
     rows: list  # per rank: (status, fraction, text)
 
 
-_ROW = re.compile(r"class='nblaunch-rank' data-status='([\w ]+)' data-fraction='([\d.]+)'.*?"
+_ROW = re.compile(r"class='nblaunch-rank' data-status='([^']+)' data-fraction='([\d.]+)'.*?"
                   r"<span class='nblaunch-text' style='[^']*'>(.*?)</span></div>", re.S)
 
 

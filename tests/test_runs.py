@@ -227,3 +227,25 @@ def test_timeouts_and_restarts_work_as_in_a_launch():
     assert napping.status == "timed out"
     for run in (napping, restarted):
         run.forget()
+
+
+def breaks_then_fails():
+    import torch.distributed as dist
+
+    secret = 40 + dist.get_rank()
+    breakpoint()  # no cell waits on a background run: passed over, with one notice
+    if dist.get_rank() == 1:
+        raise ValueError(secret)
+    return secret
+
+
+def test_a_background_run_passes_over_breakpoints_and_keeps_the_failed_ranks_frames(capsys):
+    run = nblaunch.submit(breaks_then_fails, num_processes=2, display="text")
+    with pytest.raises(WorkerError) as caught:
+        run.result(timeout=120)
+    assert "no cell to ask in" in capsys.readouterr().out
+    tb = caught.value.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "breaks_then_fails" and tb.tb_frame.f_locals["secret"] == 41
+    run.forget()

@@ -376,3 +376,35 @@ nblaunch.notebook_launcher(print, num_processes=1, display="text",
     r = slurm_kernel.wait_for_reply(msg, timeout=60)
     assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert job.group(1) not in _held(), "the pending request was not cancelled"
+
+
+@needs_slurm
+def test_a_rank_on_node_2_is_debugged_from_the_cell_over_the_agents_link(slurm_kernel, allocation):
+    from test_debugging import Session
+
+    s = Session(slurm_kernel, ["p secret", "c"]).run("""
+import nblaunch, torch, torch.distributed as dist
+def train():
+    secret = 40 + dist.get_rank()
+    if dist.get_rank() == 3:
+        breakpoint()
+    dist.all_reduce(torch.ones(1))
+    return secret
+print('RESULT', nblaunch.notebook_launcher(train, num_processes=2, cluster='slurm', display='text'))
+""")
+    assert s.error is None, s.shown
+    assert "RESULT [40, 41, 42, 43]" in s.stdout
+    assert s.prompt_texts and all(p.startswith("rank 3 on n2 ") for p in s.prompt_texts), s.prompt_texts
+    assert re.search(r"^43$", s.stdout, re.M)
+    s = Session(slurm_kernel, []).run("""
+def fail():
+    secret = 40 + dist.get_rank()
+    if dist.get_rank() == 2:
+        raise ValueError(secret)
+    dist.all_reduce(torch.ones(1))
+nblaunch.notebook_launcher(fail, num_processes=2, cluster='slurm', display='text')
+""")
+    assert s.error["ename"] == "WorkerError"
+    s = Session(slurm_kernel, ["p secret", "q"]).run("%debug")
+    assert re.search(r"^42$", s.stdout, re.M), s.shown
+    _nothing_left(allocation)

@@ -23,6 +23,7 @@ from ..rank.worker import WorkerSpec, run_worker
 from ..wire.channel import Interrupt, Started, decode
 from .nodes import Nodes, Placement
 from .output import RankOutput
+from .plan import starting_ranks
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
 from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, write_atomically
 from .zygote import Zygote, usable as zygote_usable
@@ -68,6 +69,7 @@ class LocalPool(RankPool):
         self._rank_ends: list[tuple] = []  # each rank's (go, events, output) ends
         self._ends: list[Connection] = []  # every pipe end made, kernel's and ranks'
         self._zygote: Optional[Zygote] = None
+        self._method = plan.method
         forks_by_zygote = zygote_usable(plan.method)
         try:
             for local in range(self.size):
@@ -119,10 +121,11 @@ class LocalPool(RankPool):
                     if not self._no_more_starts.is_set():
                         self._zygote.start()
                     return
-                for p in self._procs:
-                    if self._no_more_starts.is_set():  # interrupted: start no more
-                        break
-                    p.proc.start()
+                with starting_ranks(self._method):
+                    for p in self._procs:
+                        if self._no_more_starts.is_set():  # interrupted: start no more
+                            break
+                        p.proc.start()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the cell's thread
                 errors.append(exc)
 

@@ -3,6 +3,7 @@ the part of each rank's spec that every rank shares. Decided once per launch
 or live session, from its :class:`~nblaunch.config.LaunchConfig`."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -16,7 +17,7 @@ if TYPE_CHECKING:  # the config reaches a plan whole; importing it here would cl
     from ..config import LaunchConfig
 
 __all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for",
-           "share_env", "CPUS_ENV", "SHARED_NOTICE", "SHARED_WHY"]
+           "share_env", "CPUS_ENV", "SHARED_NOTICE", "SHARED_WHY", "starting_ranks"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
 #: :mod:`nblaunch.engines.forkserver_guard` to know its kernel by.
@@ -42,10 +43,12 @@ class RankPlan:
 def pg_timeout_for(timeout: Optional[float]) -> float:
     """Collectives give up a little after a launch (or call) would: its
     timeout then fires first and shows where every rank is, instead of
-    gloo's error."""
+    gloo's error. Never sooner than torch's own default, though: the
+    kernel's timeout stands still while a rank is paused in its debugger
+    (:mod:`nblaunch.debug_desk`), and its peers' collectives cannot be told."""
     if timeout is None:
         return DEFAULT_PG_TIMEOUT_S
-    return min(float(timeout) + max(10.0, 0.1 * float(timeout)), MAX_PG_TIMEOUT_S)
+    return min(max(float(timeout) + max(10.0, 0.1 * float(timeout)), DEFAULT_PG_TIMEOUT_S), MAX_PG_TIMEOUT_S)
 
 
 def plan_ranks(config: LaunchConfig, live: bool = False, shared: bool = False) -> RankPlan:
@@ -157,11 +160,30 @@ def _preload_forkserver() -> None:
     that never touched CUDA or OpenMP) import torch, so the second and later
     launches do not pay ``import torch`` per rank. Only takes effect if this
     kernel's forkserver is not running yet. The forkserver's guard learns
-    which process is its kernel from :data:`FORKSERVER_STARTER_ENV`."""
-    if sys.platform.startswith("linux"):
-        os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
+    which process is its kernel from :data:`FORKSERVER_STARTER_ENV`
+    (:func:`starting_ranks`)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["nblaunch.engines.forkserver_guard", "nblaunch.rank.worker", "torch", "torch.distributed", "cloudpickle"])
+
+
+@contextlib.contextmanager
+def starting_ranks(method: str):
+    """Around the starts of a generation's processes: the forkserver, which
+    the first start may start, inherits the environment as it is then, and
+    :data:`FORKSERVER_STARTER_ENV` names this kernel in it only meanwhile,
+    so that the kernel's own environment is left as it was."""
+    if method != "forkserver" or not sys.platform.startswith("linux"):
+        yield
+        return
+    before = os.environ.get(FORKSERVER_STARTER_ENV)
+    os.environ[FORKSERVER_STARTER_ENV] = procid.identity(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORKSERVER_STARTER_ENV, None)
+        else:
+            os.environ[FORKSERVER_STARTER_ENV] = before
 
 
 def _cuda_initialized() -> bool:

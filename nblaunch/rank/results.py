@@ -13,6 +13,7 @@ import traceback
 from typing import Any, Optional
 
 from ..wire.channel import EventSender, Failure
+from . import postmortem
 from .frames import is_machinery
 
 __all__ = ["dump_result", "max_result_bytes", "check_size", "report"]
@@ -120,6 +121,12 @@ def report(sender: EventSender, rank: int, phase: str, exc: BaseException, call:
         pickled: Optional[bytes] = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
         pickled = None
+    frames = None
+    if phase == "fn" and not isinstance(exc, KeyboardInterrupt):
+        try:
+            frames = postmortem.snapshot(exc)
+        except Exception:  # noqa: BLE001 - the report matters more than its snapshot
+            frames = None
     failure = Failure(
         rank=rank,
         time=time.time(),
@@ -130,6 +137,7 @@ def report(sender: EventSender, rank: int, phase: str, exc: BaseException, call:
         phase=phase,
         call=call,
         seq=seq,
+        frames=frames,
     )
     try:
         sender.send(failure)

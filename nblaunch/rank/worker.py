@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 from .. import linux
 from ..progress import begin_rank, finish_call, new_call
-from ..wire.channel import CLOSE, RELEASE, Call, EventSender, Phase, Result, Started
-from . import lifeline, setup as rank_setup, stacks
+from ..wire.channel import CLOSE, RELEASE, Answer, Call, EventSender, Phase, Result, Started
+from . import debugger, lifeline, setup as rank_setup, stacks
 from .interrupts import CallInterrupt, group_seq
 from .results import check_size, dump_result, report
 
@@ -108,6 +108,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         os.environ.update(spec.env)
         sender.send(Started(local, os.getpid(), time.time()))
         made_group = rank_setup.setup_torch(spec, sender)
+        debugger.install(sender, go, local)
         if spec.live:
             sender.send(Result(local, pickle.dumps(None), call=0, seq=group_seq()))
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported
@@ -137,7 +138,7 @@ def _calls_from(go: Connection):
             msg = go.recv()
         except EOFError:
             return
-        if msg == RELEASE:  # the kernel took a result that needed no wait
+        if msg == RELEASE or isinstance(msg, Answer):  # a result that needed no wait; a debugger gone
             continue
         if msg == CLOSE or not isinstance(msg, Call):
             return
@@ -164,6 +165,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
     for call in calls:
         interrupt.begin(call.id)
         new_call(call.id)
+        debugger.begin_call(call.id)
         _call_timeout(spec, call.timeout)
         phase = "load"
         try:

@@ -187,7 +187,7 @@ class LaunchState:
         self.state = state
         ended = {"timed out": "timed out", "interrupted": "interrupted"}.get(state, "stopped")
         for r in self.ranks:
-            if r.status in ("starting", "running"):
+            if r.status in ("starting", "running") or r.status.startswith(("paused:", "waiting:")):
                 r.status = ended
         self.changed = True
 

@@ -111,8 +111,13 @@ class WidgetDisplay(View):
         self._draw()
 
     def tick(self, force: bool = False) -> None:
+        """Redraw, at most at the view's rate; ``force``: now, and show the
+        view now if it waits to be shown (the cell is about to block, at a
+        rank's debugger prompt)."""
         now = time.monotonic()
-        if self.box is None and self._show_at is not None and now >= self._show_at:
+        if self.box is None and self._show_at is not None and (force or now >= self._show_at):
+            self._show_at = now
+            self._show_after = 0
             self.show()
         if force or now - self._last_draw >= 1.0 / MAX_RATE:
             self._draw()

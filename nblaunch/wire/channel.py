@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional, Union
 
-__all__ = ["RELEASE", "CLOSE", "Interrupt", "Call", "Started", "Result", "Failure", "Progress", "Metrics", "GpuMemory", "Stopping", "Phase", "Event", "EventSender", "decode"]
+__all__ = ["RELEASE", "CLOSE", "Interrupt", "Call", "Answer", "Started", "Result", "Failure", "Progress", "Metrics",
+           "GpuMemory", "Stopping", "Phase", "Prompt", "Paused", "Event", "EventSender", "decode"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Failure:
     phase: str  # "setup", "load", "fn" or "result"
     call: int = 0
     seq: int = -1
+    frames: Optional[bytes] = None  # rank.postmortem.snapshot: what %debug needs of the failing frames
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,39 @@ class Stopping:
     call: int = 0
 
 
-Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase]
+@dataclass(frozen=True)
+class Prompt:
+    """A rank's debugger waits for a command: ``text`` is what it printed
+    since its last prompt, ``prompt`` the prompt itself. The rank then waits
+    for an :class:`Answer` on its go pipe."""
+
+    rank: int
+    text: str
+    prompt: str
+    call: int = 0
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A rank's debugger session began (``paused``) or ended (it continued
+    or quit): while one is paused, its peers wait and no timer of the call runs."""
+
+    rank: int
+    paused: bool
+    where: str = ""  # ``file:line in function`` where it stopped
+    call: int = 0
+    text: str = ""  # ending: what the debugger printed after its last prompt
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Kernel -> a rank at a debugger prompt, on its go pipe: the line typed,
+    or None when no one can answer here (no stdin in the front end)."""
+
+    line: Optional[str]
+
+
+Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused]
 
 
 class EventSender:
@@ -161,6 +195,6 @@ class EventSender:
 
 def decode(data: bytes) -> Event:
     event = pickle.loads(data)
-    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase)):
+    if not isinstance(event, (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused)):
         raise TypeError(f"unexpected event type {type(event).__name__}")
     return event
