@@ -100,9 +100,12 @@ class Catcher:
         rank's SIGUSR1 is its stack dump)."""
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
-                # A handler set outside Python (faulthandler's, which a process
-                # forked from this one keeps) could not be put back: left alone.
-                if signal.getsignal(sig) is not None:
+                # Only a signal nothing else handles: a handler set outside
+                # Python (faulthandler's, which a process forked from this one
+                # keeps) could not be put back, and one the process set itself
+                # means something else there (a detached run's supervisor:
+                # SIGTERM is run.stop()).
+                if signal.getsignal(sig) == signal.SIG_DFL:
                     self._previous[sig] = signal.signal(sig, self._handler)
 
     def disarm(self) -> None:

@@ -101,6 +101,9 @@ class Session:
         self.history = History(config.max_restarts)  # a launch's restarts
         self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
         self.shrunk = ""  # live ranks: why they run on fewer nodes than at first, said by the next run
+        # A launch's view of each generation, ``make_view(display, show_after=...)``:
+        # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
+        self.make_view = make_display
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -144,7 +147,7 @@ class Session:
         view, outcome, watch = None, "failed", None
         self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
         try:  # from here on, an interrupt anywhere leaves nothing open
-            view = make_display(c.display, show_after=SHOW_AFTER_S)
+            view = self.make_view(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)

@@ -329,3 +329,44 @@ def test_live_ranks_debug_a_call_and_serve_the_next(kernel):
     assert "FIRST [100, 101]" in s.stdout and re.search(r"^101$", s.stdout, re.M)
     assert "QUIT [100, 101]" in s.stdout  # q left the debugger; rank 0, in a collective, was not left there
     assert "AFTER [100, 101] up" in s.stdout, s.stdout
+
+
+def test_in_jupyterlab_the_prompt_is_the_cells_input_box(tmp_path):
+    """As a person does it: JupyterLab in Chromium, the rank's prompt in the
+    cell's stdin box, the commands typed there, the rows saying who waits."""
+    import nbformat
+    from test_browser import _artifacts, _read, _serve
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        LAUNCH +
+        "def train():\n"
+        "    secret = 40 + dist.get_rank()\n"
+        "    if dist.get_rank() == 1:\n"
+        "        breakpoint()\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "    return secret\n"
+        "print('results:', notebook_launcher(train, num_processes=2))\n")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "debug.ipynb")
+    with _serve(tmp_path, "jupyterlab") as open_notebook:
+        page = open_notebook("debug.ipynb")
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        box = page.wait_for_selector(".jp-Stdin-input", timeout=90_000)
+        assert "rank 1" in page.inner_text(".jp-Stdin-prompt")
+        deadline = time.monotonic() + 30
+        while [s for s, _ in _read(page)["bars"]] != ["waiting: rank 1 is in the debugger", "paused: in the debugger"]:
+            assert time.monotonic() < deadline, _read(page)
+            page.wait_for_timeout(100)
+        page.screenshot(path=str(_artifacts() / "jupyterlab-rank-in-the-debugger.png"))
+        box.fill("p secret")
+        box.press("Enter")
+        page.wait_for_function("() => /\\n41\\n/.test(document.querySelector('.jp-OutputArea').innerText)",
+                               timeout=30_000)
+        # the answered box turns into text; the next prompt is a new, empty box
+        page.wait_for_function("() => { const boxes = document.querySelectorAll('.jp-Stdin-input');"
+                               " return boxes.length === 1 && boxes[0].value === ''; }", timeout=30_000)
+        page.locator(".jp-Stdin-input").fill("c")
+        page.locator(".jp-Stdin-input").press("Enter")
+        page.wait_for_selector("text=results: [40, 41]", timeout=60_000)
+        page.screenshot(path=str(_artifacts() / "jupyterlab-rank-debugged.png"))
