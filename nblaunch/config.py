@@ -49,7 +49,14 @@ class LaunchConfig:
     rdzv_id: str = "nblaunch"
     rdzv_timeout: float = 300.0
     max_restarts: int = 0
+    min_nodes: Optional[int] = None  # with max_restarts: a lost node's generation restarts on the others if this many are up
+    preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
+    # A background run's share of the machine (nblaunch.runs): CPU numbers
+    # and GPU indices, made sorted tuples when checked (_check_share).
+    cpus: Any = None
+    devices: Any = None
+    background: bool = False  # the watch runs off the cell (nblaunch.submit)
     addr: str = field(init=False)
     endpoint: Optional[tuple] = field(init=False)
 
@@ -58,6 +65,8 @@ class LaunchConfig:
         check_call_options(self.timeout, self.display)
         _check_cluster(self)
         _check_counts(self)
+        _check_resilience(self)
+        _check_share(self)
         endpoint = None if self.cluster is not None else _check_nodes(self)
         object.__setattr__(self, "endpoint", endpoint)
         object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
@@ -152,6 +161,77 @@ def _check_counts(c: LaunchConfig) -> None:
             and c.cluster.nodes != c.num_nodes):
         raise ValueError(f"num_nodes={c.num_nodes} and {type(c.cluster).__name__}(nodes={c.cluster.nodes}) "
                          "disagree; give one of them")
+
+
+def _check_resilience(c: LaunchConfig) -> None:
+    """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
+    generation can run on fewer nodes: a cluster's; a launch's restarts
+    need ``max_restarts`` too) and ``preempt_grace``."""
+    g = c.preempt_grace
+    if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
+        raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
+    m = c.min_nodes
+    if m is None:
+        return
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise TypeError(f"min_nodes must be an int or None, got {type(m).__name__}: {m!r}")
+    if c.cluster is None and c.num_nodes == 1:
+        raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm' or cluster='ray'); on one "
+                         "machine there is no node to lose")
+    if c.cluster is None:
+        raise ValueError("min_nodes works with cluster='slurm' or cluster='ray', whose kernel starts every node; "
+                         "nodes joined by rdzv_endpoint, each with its own kernel, restart all together "
+                         "(max_restarts) and cannot yet go on with fewer")
+    nodes = c.num_nodes if c.num_nodes > 1 else c.cluster.nodes
+    if not 1 <= m <= (nodes or m):
+        raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")
+def _check_share(c: LaunchConfig) -> None:
+    """``cpus`` (CPU numbers this process may use) and ``devices`` (GPU
+    indices of this machine): distinct ints, made sorted tuples. Only for
+    ranks on this machine; overlap with another run is checked by
+    :mod:`nblaunch.runs`, which knows the others."""
+    for name, allowed in (("cpus", _usable_cpus), ("devices", _gpu_indices)):
+        value = getattr(c, name)
+        if value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = (value,)
+        if (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            raise TypeError(f"{name} must be a list of ints, got {value!r}")
+        value = tuple(sorted(value))
+        if not value or len(set(value)) != len(value):
+            raise ValueError(f"{name} must list at least one {name[:-1]}, each once, got {list(value)}")
+        if c.cluster is not None or c.num_nodes > 1:
+            raise ValueError(f"{name}= splits this machine between runs; it is not for a launch on several nodes")
+        usable = allowed()
+        outside = [v for v in value if v not in usable]
+        if outside:
+            raise ValueError(f"{name} {outside} not on this machine (it has {name} {_span(usable)})")
+        object.__setattr__(c, name, value)
+    if not isinstance(c.background, bool):
+        raise TypeError(f"background must be True or False, got {c.background!r}")
+
+
+def _usable_cpus() -> list:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS: no affinity; every CPU
+        return list(range(os.cpu_count() or 1))
+
+
+def _gpu_indices() -> list:
+    import torch
+
+    return list(range(torch.cuda.device_count()))  # NVML's count: does not initialise CUDA
+
+
+def _span(values: list) -> str:
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
+    return ", ".join(map(str, values))
 
 
 def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:

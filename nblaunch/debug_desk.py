@@ -15,6 +15,7 @@ the watch subtracts that time from its timeout and its stall clock.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -30,7 +31,10 @@ def can_answer() -> Optional[Callable[[str], str]]:
     """How the user answers a prompt here: ``input`` in a kernel (whose
     stdin channel may still say no, per request) or at a terminal; None for
     a script whose stdin is not a terminal, where ``input()`` could wait
-    forever on a pipe no one writes to."""
+    forever on a pipe no one writes to; None off the main thread too (a
+    background run's watch: no cell waits on it to type in)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
     if in_kernel():
         kernel = getattr(sys.modules["IPython"].get_ipython(), "kernel", None)
         # ipykernel's record of the running request's allow_stdin (nbclient,
@@ -136,9 +140,12 @@ class DebugDesk:
 
     def _answer(self, rank: int, prompt: Prompt) -> Optional[str]:
         if self._ask is None:
-            why = "this front end sends no input" if in_kernel() else "this process has no terminal to ask at"
+            why = ("a background run has no cell to ask in (nblaunch.debug() opens a failed rank's frames)"
+                   if threading.current_thread() is not threading.main_thread()
+                   else "this front end sends no input" if in_kernel() else "this process has no terminal to ask at")
             return self._no_front_end(rank, why)
         label = self._label(rank)
+        self._view.tick(force=True)  # what the ranks printed before this stop comes first
         if rank != self._current:
             waiting = [self._label(r) for r in self._prompts if r != rank]
             also = f"; {', '.join(waiting)} will be next" if waiting else ""

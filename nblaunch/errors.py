@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from .rank.frames import in_notebook_terms, is_machinery, parse_frame
 
-__all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "RankFailure", "Departure"]
+__all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "Preempted", "RankFailure", "Departure"]
 
 
 class LaunchError(RuntimeError):
@@ -38,6 +38,23 @@ class LaunchTimeout(LaunchError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.log_dir))
+
+
+class Preempted(LaunchError):
+    """The launch was preempted (SIGTERM reached the kernel, or SIGUSR1 a
+    node's agents: what SLURM sends on preemption, ``scancel --signal``,
+    ``--signal=USR1@60``) and its ranks did not all return within the grace
+    period; they were then stopped. ``signal`` names what came, ``step`` the
+    furthest step a rank's progress bar reached (None: no bar), ``returned``
+    the global ranks that did return, ``log_dir`` where each rank's output is."""
+
+    def __init__(self, message: str, signal: str = "", step: Optional[int] = None,
+                 returned: tuple = (), log_dir: Optional[str] = None):
+        super().__init__(message)
+        self.signal, self.step, self.returned, self.log_dir = signal, step, tuple(returned), log_dir
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.signal, self.step, self.returned, self.log_dir))
 
 
 def render_interrupt(exc: KeyboardInterrupt, lines: list[str]) -> None:
@@ -75,12 +92,16 @@ class RankFailure:
     signal: Optional[int] = None
     last_lines: tuple[str, ...] = ()
     node: Optional[int] = None  # set in a multi-node launch
+    host: Optional[str] = None  # the machine, where the pool knows it (a cluster's node name)
     exception: Optional[BaseException] = field(default=None, compare=False, repr=False)
     frames: Optional[bytes] = field(default=None, compare=False, repr=False)  # rank.postmortem.snapshot
 
     @property
     def label(self) -> str:
-        """``rank 3`` or, in a multi-node launch, ``rank 3 (node 1)``."""
+        """``rank 3``; in a multi-node launch ``rank 3 on n2`` (its host, when
+        known) or ``rank 3 (node 1)``."""
+        if self.host:
+            return f"rank {self.rank} on {self.host}"
         return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
 
     @property
@@ -123,6 +144,17 @@ class RankFailure:
             return f"{self.label}: its call was interrupted by nblaunch after the failure above (the rank is kept)"
         return f"{self.label} exited with code {self.exitcode} without returning a result"
 
+    def brief(self) -> str:
+        """A few words, for a restart's line: ``rank 1 on n2 killed by SIGKILL``, ``node n3 lost``."""
+        if self.kind == "exception":
+            return f"{self.label} raised {self.exc_type}"
+        if self.kind == "signal":
+            return f"{self.label} killed by {signal_name_of(self.signal)}"
+        if self.kind == "node":
+            return f"node {self.host or self.node} lost"
+        if self.kind == "exit":
+            return f"{self.label} exited with code {self.exitcode}"
+        return self.summary()
 
     @property
     def row(self) -> str:
@@ -169,6 +201,14 @@ def death(rank: int, node: Optional[int], time: float, code: int, stopped: bool,
     return RankFailure(rank, "exit", time, exitcode=code, last_lines=last_lines, node=node)
 
 
+def on_host(failure: RankFailure, host: Optional[str]) -> RankFailure:
+    """The failure of a rank on a node named ``host`` (None: not known),
+    labelled ``rank 3 on n2``."""
+    if host is None or failure.host is not None or failure.node is None:
+        return failure
+    return dataclasses.replace(failure, host=host)
+
+
 def node_lost(rank: int, node: Optional[int], time: float, what: str) -> RankFailure:
     """A failure of kind ``"node"``: the ranks of a node ended for a reason
     outside them, named by ``what``. A cluster launch's rank whose machine
@@ -204,6 +244,14 @@ _PEER_LOSS = re.compile(
     r"DistNetworkError|TCPStore.*(?:closed|reset)",
     re.IGNORECASE,
 )
+
+
+def signal_name_of(num: Optional[int]) -> str:
+    """``SIGKILL`` (a bare name, for short lines)."""
+    try:
+        return _signal.Signals(num).name
+    except (ValueError, TypeError):
+        return f"signal {num}"
 
 
 def _signal_name(num: int) -> str:
@@ -306,11 +354,14 @@ class WorkerError(LaunchError):
     Attributes: ``rank`` (global), ``node`` (None on one machine), ``exitcode``, ``signal``, ``remote_traceback`` (of the
     root-cause rank), ``failures`` (every rank that did not return, root cause
     first), ``log_dir`` (where each rank's full output is kept), ``note`` (on
-    live ranks: what became of them). When the rank's exception could be sent
-    back it is chained as ``__cause__``.
+    live ranks: what became of them), ``attempts`` (with ``max_restarts``:
+    one line per earlier generation, what ended it; this error is the last
+    attempt's). When the rank's exception could be sent back it is chained
+    as ``__cause__``.
     """
 
-    def __init__(self, failures: list[RankFailure], log_dir: Optional[str] = None, note: str = ""):
+    def __init__(self, failures: list[RankFailure], log_dir: Optional[str] = None, note: str = "",
+                 attempts: tuple = ()):
         cause = root_cause(failures)
         others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
         self.failures = [cause, *others]
@@ -321,6 +372,7 @@ class WorkerError(LaunchError):
         self.remote_traceback = cause.remote_traceback
         self.log_dir = log_dir
         self.note = note
+        self.attempts = tuple(attempts)
         super().__init__(self._render())
 
     @property
@@ -346,6 +398,11 @@ class WorkerError(LaunchError):
         if self.log_dir:
             whose = "this node's ranks" if any(f.node is not None for f in self.failures) else "every rank"
             lines += ["", f"Full output of {whose}: {self.log_dir}"]
+        if self.attempts:
+            n = len(self.attempts) + 1
+            lines += ["", f"Every attempt ({n}, max_restarts={n - 1}):"]
+            lines += [f"  attempt {i} of {n}: {line}" for i, line in enumerate(self.attempts, 1)]
+            lines += [f"  attempt {n} of {n}: {self.root.brief()} (above)"]
         if self.note:
             lines += ["", self.note]
         return lines
@@ -359,4 +416,4 @@ class WorkerError(LaunchError):
         return [f"WorkerError: {line}" if i == 0 else line for i, line in enumerate(self._render_lines())]
 
     def __reduce__(self):
-        return (type(self), (self.failures, self.log_dir, self.note))
+        return (type(self), (self.failures, self.log_dir, self.note, self.attempts))

@@ -33,6 +33,8 @@ def notebook_launcher(
     rdzv_timeout: float = 300.0,
     max_restarts: int = 0,
     cluster=None,
+    min_nodes: Optional[int] = None,
+    preempt_grace: float = 30.0,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -68,7 +70,18 @@ def notebook_launcher(
     (loopback by default); with several, this node's address that the others
     reach (default: the one it uses to reach ``rdzv_endpoint``).
     ``max_restarts``: after a rank fails, start every rank (on every node)
-    again this many times before raising.
+    again this many times before raising; each rank's
+    ``TORCHELASTIC_RESTART_COUNT`` says which generation it is, the view says
+    why each restart came, and a ``WorkerError`` after the last lists every
+    attempt's cause. ``min_nodes`` (a cluster): when a node is lost, the next
+    generation runs on the nodes still up if at least this many are
+    (``WORLD_SIZE`` and ``RANK`` then say how many ranks are left).
+
+    Preemption: SIGTERM to the kernel, or SIGUSR1 to a cluster's agents
+    (``scancel --signal=USR1``, ``--signal=USR1@60``), during a launch makes
+    ``nblaunch.preempted()`` true on every rank; the ranks get
+    ``preempt_grace`` seconds to save and return. Their results are returned
+    if all return; else they are stopped and ``nblaunch.Preempted`` is raised.
 
     ``cluster="slurm"`` (or ``nblaunch.Slurm(...)``): ``num_processes`` ranks
     on every node of the SLURM allocation the kernel runs in (``num_nodes``
@@ -85,7 +98,7 @@ def notebook_launcher(
         master_addr=master_addr, threads_per_rank=threads_per_rank, timeout=timeout, display=display,
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
-        cluster=cluster)
+        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace)
     if worker.current_spec() is not None:
         raise LaunchError(
             f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "

@@ -16,6 +16,10 @@ With live ranks (``%nblaunch start -n 4``, ``%nblaunch stop``; see
 :mod:`nblaunch.session`) each ``%%nblaunch`` cell runs on them instead, and
 the names a cell binds stay in each rank for the next cells, as ipyparallel's
 ``%%px`` does. ``%nblaunch status`` says what is up.
+
+``%%nblaunch --background`` returns at once: the cell's value is the
+:class:`~nblaunch.runs.Run` (``run = _``), its view in the cell
+(``--detach``: a run that outlives the kernel, see :mod:`nblaunch.detached`).
 """
 from __future__ import annotations
 
@@ -84,6 +88,8 @@ class NBLaunchMagics(Magics):
     @argument("--display", default="auto", help="auto, widget, text or none")
     @argument("--cluster", default=None, help="slurm: ranks on every node of the SLURM allocation")
     @argument("--nodes", type=int, default=1, help="with --cluster: how many of its nodes (default all)")
+    @argument("--background", action="store_true", help="return at once: the cell's value is the Run (nblaunch.submit)")
+    @argument("--detach", action="store_true", help="with --background: a run that outlives the kernel")
     @line_cell_magic
     def nblaunch(self, line: str, cell=None):
         """Run this cell on every rank (on the live ranks if they are up); the result is the list of
@@ -106,6 +112,13 @@ class NBLaunchMagics(Magics):
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
             return live.run(run_cell, cell, filename, names, timeout=opts.timeout,
                             display=None if opts.display == "auto" else opts.display)
+        if opts.background or opts.detach:  # its ranks never fork the kernel: the names it uses, pickled
+            from .background import submit
+
+            names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
+            return submit(run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,
+                          start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
+                          display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes, detach=opts.detach)
         method, _ = choose_start_method(opts.start_method)
         if method == "fork" and opts.cluster is None:  # inherited whole; elsewhere pickled
             names = {k: v for k, v in user_ns.items() if k not in _IPYTHON_NAMES}

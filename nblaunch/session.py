@@ -34,9 +34,12 @@ from .wire.channel import CLOSE, Call
 from .config import LaunchConfig, check_call, check_call_options
 from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for
-from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
+from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
+from .preempt import Catcher
+from .restarts import History, may_restart
 from .wire.payload import check_sendable
 from .engines.pool import RankPool
+from .launch_watch import LaunchWatch
 from .live_watch import LiveCallWatch
 from .postmortem import with_rank_frames
 from .watch import STOP_GRACE_S, CallWatch, ranks_label
@@ -65,12 +68,14 @@ class LaunchResults(list):
     """What ``notebook_launcher`` (and a call on live ranks) returns: this
     node's per-rank results in local-rank order (a plain list in every other
     respect), plus where each rank's full output was kept: ``log_dir`` and
-    ``log_files`` (one per rank, in the same order)."""
+    ``log_files`` (one per rank, in the same order), and ``restarts``: one
+    line per restart it took (``max_restarts``)."""
 
     def __init__(self, results, log_dir: str, log_files: list):
         super().__init__(results)
         self.log_dir = log_dir
         self.log_files = log_files
+        self.restarts: list[str] = []
 
 
 class Session:
@@ -93,26 +98,40 @@ class Session:
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
         self._messages = 0  # calls sent to live ranks (run, pull, push): their events' call number
+        self.history = History(config.max_restarts)  # a launch's restarts
+        self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
+        self.shrunk = ""  # live ranks: why they run on fewer nodes than at first, said by the next run
+        # A launch's view of each generation, ``make_view(display, show_after=...)``:
+        # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
+        self.make_view = make_display
 
     # -- a launch ----------------------------------------------------------------------
 
     def launch(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
-        """``fn`` on fresh ranks; their results, or the error of the last attempt."""
+        """``fn`` on fresh ranks; their results, or the error of the last attempt.
+
+        With ``max_restarts`` a failed generation is replaced by a new one
+        (``TORCHELASTIC_RESTART_COUNT`` counts them); each restart is said in
+        the next generation's view, and the last attempt's ``WorkerError``
+        lists every attempt's cause. A preemption (:mod:`nblaunch.preempt`)
+        is never restarted: the job is ending."""
         c, engine = self.config, self.engine
         global_method = multiprocessing.get_start_method(allow_none=True)
         notices = [engine.notice] if engine.notice else []
+        history = self.history = History(c.max_restarts)
         try:
             job = engine.job(fn, tuple(args), kwargs)
+            catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
             for attempt in range(c.max_restarts + 1):
                 try:
-                    return self._attempt(job, attempt, notices)
+                    results = self._attempt(job, attempt, notices + history.lines, catcher)
+                    results.restarts = list(history.lines)
+                    return results
                 except WorkerError as exc:
-                    # Every node sees the same failures, so every node restarts;
-                    # a node whose launcher was stopped (kind "node") will not.
-                    if attempt == c.max_restarts or exc.root.kind == "node":
-                        raise
+                    if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
+                        raise history.final(exc) from exc.__cause__
                     self.restarts += 1
-                    notices = [f"restart {attempt + 1} of {c.max_restarts} after: {exc.root.summary()}"]
+                    history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
             raise AssertionError("unreachable")
         finally:
             engine.close()
@@ -121,20 +140,23 @@ class Session:
                 # its global default as a side effect; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
 
-    def _attempt(self, job: Any, attempt: int, notices: list[str]) -> LaunchResults:
+    def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
         c, engine = self.config, self.engine
         pool = engine.new_pool(job, attempt)
-        view, outcome = None, "failed"
+        view, outcome, watch = None, "failed", None
+        self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
         try:  # from here on, an interrupt anywhere leaves nothing open
-            view = make_display(c.display, show_after=SHOW_AFTER_S)
+            view = self.make_view(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
-            watch = CallWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
-                              job_size=getattr(job, "size", 0))
+            watch = LaunchWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
+                              job_size=getattr(job, "size", 0), preemption=catcher)
             results = watch.run(lambda: engine.place(pool, view))
             outcome = "finished"
+            if self.history.summary():  # the final summary says what it took
+                view.notice(self.history.summary())
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
         except KeyboardInterrupt:
             outcome = "interrupted"
@@ -142,7 +164,11 @@ class Session:
         except LaunchTimeout:
             outcome = "timed out"
             raise
+        except Preempted:
+            outcome = "preempted"
+            raise
         finally:
+            self._steps = watch.steps if watch is not None else {}
             try:
                 pool.close()
             finally:
@@ -155,6 +181,7 @@ class Session:
         """Start a generation of live ranks and wait until each has made its
         process group (its call 0). Raises ``WorkerError`` if one cannot."""
         engine = self.engine
+        self.world_size = engine.world_size  # fewer after a lost node (min_nodes)
         pool = engine.new_pool(None, self.restarts)
         view = TextDisplay(show_status=False)  # set-up prints (warnings) only
         view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
@@ -183,6 +210,9 @@ class Session:
         name = f"call {self.runs + counted}"
         view.begin(self.world_size, self.engine.method, self.engine.backend or "", str(pool.log_dir),
                    call=self.runs + counted if counted else 0)
+        if self.shrunk and counted:  # the first run after a lost node says so
+            view.notice(self.shrunk)
+            self.shrunk = ""
         watch = LiveCallWatch(pool, view, number, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
         if counted:
@@ -198,23 +228,28 @@ class Session:
         except BaseException as exc:
             view.close("interrupted" if isinstance(exc, KeyboardInterrupt)
                        else "timed out" if isinstance(exc, LaunchTimeout) else "failed")
-            raise _with_note(exc, self._after(watch)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
+            raise _with_note(exc, self._after(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
         view.close("finished")
         if watch.broken:
             warnings.warn(f"{name} returned, but {self._after(watch)}", RuntimeWarning, stacklevel=4)
         return LaunchResults(results, str(pool.log_dir), pool.log_files)
 
-    def _after(self, watch: CallWatch) -> str:
-        """After a call that did not end well: replace broken ranks; say what became of them."""
+    def _after(self, watch: CallWatch, exc: Optional[BaseException] = None) -> str:
+        """After a call that did not end well: replace broken ranks (on the
+        nodes still up, when a node was lost and ``min_nodes`` allows); say
+        what became of them."""
         if not watch.broken:
             others = " (the other ranks' calls were interrupted)" if watch.interrupted else ""
             return f"The live ranks are still up and keep their state{others}."
+        if isinstance(exc, WorkerError) and exc.root.kind == "node" and may_restart(self.engine, exc):
+            self.shrunk = f"the ranks run on the {self.engine.num_nodes} nodes still up since {exc.root.brief()}"
         try:
             self.restart()
         except BaseException as exc:  # noqa: BLE001 - said in the note; the next run tries again
             return (f"The ranks could not be kept ({watch.broken}), and starting new ones failed: {exc}. "
                     "The next run tries again.")
-        return (f"The session restarted its ranks ({watch.broken}): what earlier calls built in them "
+        on = f" on the {self.engine.num_nodes} nodes still up" if self.shrunk else ""
+        return (f"The session restarted its ranks{on} ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
 
     def restart(self) -> None:
@@ -269,7 +304,6 @@ class Ranks:
 
     def __init__(self, config: LaunchConfig):
         self._session = Session(config, live=True)
-        self.num_processes = self._session.world_size
         self._finalizer = weakref.finalize(self, _Generation(self._session).close)
         self._closed = False
         self._session.open()
@@ -324,6 +358,11 @@ class Ranks:
     @restarts.setter
     def restarts(self, value: int) -> None:
         self._session.restarts = value
+
+    @property
+    def num_processes(self) -> int:
+        """The ranks up (fewer than at first once a lost node was left out: ``min_nodes``)."""
+        return self._session.world_size
 
     @property
     def is_up(self) -> bool:
@@ -419,7 +458,8 @@ def _pull_on(name: str, rank: Optional[int]):
 def start(num_processes: int, *, start_method: str = "auto", backend: str = "auto",
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
-          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1) -> Ranks:
+          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
+          min_nodes: Optional[int] = None) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -428,13 +468,15 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     still works while one is up (not at the same moment as a call). Use it as
     a context manager, or ``close()`` it; it also ends with the kernel.
     ``cluster="slurm"`` (and ``num_nodes``): ranks on the nodes of a SLURM
-    allocation, as ``notebook_launcher`` has them.
+    allocation, as ``notebook_launcher`` has them; ``min_nodes``: when a
+    node is lost, the ranks are restarted on the nodes still up if at least
+    this many (the next run says so).
     """
     global _active
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
-                          cluster=cluster, num_nodes=num_nodes)
+                          cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes)
     if worker.current_spec() is not None:
         raise LaunchError("nblaunch.start was called inside a rank; start live ranks from the notebook")
     up = active()

@@ -241,6 +241,7 @@ class CallWatch:
                                           part.stopped, part.signals, self._pool.tail(rank)))
 
     def _fail(self, rank: int, failure: RankFailure) -> None:
+        failure = errors.on_host(failure, self._pool.node_name(rank))  # "rank 3 on n2"
         self._parts[rank].failure = failure
         self._desk.gone(rank)
         self._view.rank_status(rank, failure.row)

@@ -1,5 +1,5 @@
-"""Whether a two-node SLURM cluster is up here (``.ci/slurm`` starts one),
-for the SLURM tests and the SLURM tutorial notebook; loaded as a pytest
+"""Whether a SLURM cluster of two (or three) nodes is up here (``.ci/slurm``
+starts one of three), for the SLURM tests and the SLURM tutorial notebooks; loaded as a pytest
 plugin (``-p slurm_cluster`` in pyproject.toml), it leaves that notebook out
 where SLURM is not up."""
 from __future__ import annotations
@@ -9,16 +9,17 @@ import shutil
 import subprocess
 
 
-def why_not() -> str:
-    """Why SLURM cannot be used here ('' when it can). With
-    ``NBLAUNCH_REQUIRE_SLURM`` set (CI), a missing cluster is an error instead."""
-    why = _why_not()
+def why_not(nodes: int = 2) -> str:
+    """Why SLURM cannot be used here ('' when it can): it needs ``nodes``
+    nodes up. With ``NBLAUNCH_REQUIRE_SLURM`` set (CI), a missing cluster is
+    an error instead."""
+    why = _why_not(nodes)
     if why and os.environ.get("NBLAUNCH_REQUIRE_SLURM"):
         raise RuntimeError(f"NBLAUNCH_REQUIRE_SLURM is set, but {why}")
     return why
 
 
-def _why_not() -> str:
+def _why_not(nodes: int) -> str:
     if shutil.which("sinfo") is None or shutil.which("srun") is None:
         return "SLURM's commands are not installed (run .ci/slurm as root)"
     try:
@@ -27,8 +28,8 @@ def _why_not() -> str:
         return "sinfo did not answer"
     usable = [line for line in out.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")]
-    if out.returncode != 0 or len(usable) < 2:
-        return f"no two-node SLURM cluster is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
+    if out.returncode != 0 or len(usable) < nodes:
+        return f"no {nodes}-node SLURM cluster is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
     return ""
 
 
@@ -37,5 +38,7 @@ def pytest_ignore_collect(collection_path, config):
     elsewhere nbval leaves it out, unless ``NBLAUNCH_REQUIRE_SLURM`` is set,
     when its absence is an error."""
     if collection_path.name == "07_slurm.ipynb" and why_not():
+        return True
+    if collection_path.name == "09_lost_node.ipynb" and why_not(nodes=3):
         return True
     return None

@@ -338,3 +338,83 @@ def test_eight_ranks_in_the_dark_theme_and_the_saved_notebook_reopened(lab_dark,
     assert reopened["header"].startswith("nblaunch: finished") and len(reopened["bars"]) == 8, reopened
     body = again.inner_text("body")
     assert "Error displaying widget" not in body and "model not found" not in body
+
+
+BACKGROUND_TRAIN = """
+import os, time, nblaunch
+
+def train(gate, later):
+    rank = os.environ["RANK"]
+    for step in nblaunch.progress(range(80), desc="train"):
+        if step == 20:
+            while not os.path.exists(gate):
+                time.sleep(0.02)
+        if step == 60:
+            open(f"{later}.reached.{rank}", "w").close()
+            while not os.path.exists(later):
+                time.sleep(0.02)
+        print("before close" if step < 20 else "while closed", step, flush=True)
+        nblaunch.log(loss=1.0 / (step + 1))
+        time.sleep(0.02)
+    return int(rank)
+"""
+
+READ_RUN_VIEW = """() => Array.from(document.querySelectorAll('.widget-vbox, .nblaunch-view')).map(box => {
+  const header = Array.from(box.querySelectorAll('b')).map(b => b.textContent)
+      .find(t => t.startsWith('nblaunch: '));
+  return header ? {header, text: box.innerText} : null;
+}).filter(view => view !== null)[0] || {header: '', text: ''}"""
+
+
+def test_a_background_run_s_view_comes_back_with_a_reopened_tab(lab, tmp_path):
+    """Issue 38: the tab is closed while a background run trains and opened
+    again: the view is there, live (widget state from the kernel), with the
+    lines the ranks printed while no tab was open, and it goes on to the end."""
+    gate, later = str(tmp_path / "gate"), str(tmp_path / "later")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(BACKGROUND_TRAIN),
+                nbformat.v4.new_code_cell(f"run = nblaunch.submit(train, args=({gate!r}, {later!r}), "
+                                          "num_processes=2)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "bg.ipynb")
+    page = lab("bg.ipynb")
+    _run_all(page)
+    deadline = time.monotonic() + 120
+    view = page.evaluate(READ_RUN_VIEW)
+    while "[rank 1] before close 19" not in view["text"]:
+        assert time.monotonic() < deadline, f"the run's view never showed its first lines: {view}"
+        page.wait_for_timeout(100)
+        view = page.evaluate(READ_RUN_VIEW)
+    assert view["header"].startswith("nblaunch: running"), view
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    saved = tmp_path / "bg.ipynb"
+    while "application/vnd.jupyter.widget-view+json" not in saved.read_text():
+        assert time.monotonic() < deadline, "the notebook was not saved"
+        time.sleep(0.1)
+    page.close()  # the tab is closed: no front end is connected
+
+    open(gate, "w").close()
+    for rank in (0, 1):
+        while not os.path.exists(f"{later}.reached.{rank}"):
+            assert time.monotonic() < deadline, "the ranks did not train on while the tab was closed"
+            time.sleep(0.05)
+    page = lab("bg.ipynb")  # the same kernel: its session outlived the tab
+    view = page.evaluate(READ_RUN_VIEW)
+    while "[rank 1] while closed 59" not in view["text"]:
+        assert time.monotonic() < deadline, f"the reopened tab did not show the lines printed meanwhile: {view}"
+        page.wait_for_timeout(100)
+        view = page.evaluate(READ_RUN_VIEW)
+    assert view["header"].startswith("nblaunch: running") and "[rank 0] before close 0" in view["text"], view
+    page.screenshot(path=str(_artifacts() / "jupyterlab-background-run-reopened.png"))
+    open(later, "w").close()
+    while not view["header"].startswith("nblaunch: finished"):  # still live in the reopened tab
+        assert time.monotonic() < deadline + 60, f"the reopened view did not follow the run to its end: {view}"
+        page.wait_for_timeout(100)
+        view = page.evaluate(READ_RUN_VIEW)
+    assert "[rank 1] while closed 79" in view["text"]
+    # And it stays: the widgets are kept (the reopened tab's output names them, not the display that gets
+    # the static copy), so the end does not blank it.
+    for _ in range(10):
+        page.wait_for_timeout(200)
+        view = page.evaluate(READ_RUN_VIEW)
+        assert view["header"].startswith("nblaunch: finished"), view

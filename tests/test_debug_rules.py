@@ -3,6 +3,7 @@ a paused rank holds, and the post-mortem snapshot's round trip and bounds."""
 from __future__ import annotations
 
 import pickle
+import resource
 import sys
 import threading
 import time
@@ -41,6 +42,9 @@ class _View:
 
     def notice(self, text):
         self.notices.append(text)
+
+    def tick(self, force=False):
+        pass
 
 
 def _desk(monkeypatch, answers):
@@ -190,3 +194,18 @@ def test_the_snapshot_stays_within_its_budget(monkeypatch):
 def test_debug_says_what_there_is_to_debug():
     with pytest.raises(ValueError, match="no WorkerError to debug"):
         postmortem.debug(KeyError("x"))
+
+
+def test_a_large_tensor_inside_a_local_is_refused_before_it_is_copied():
+    def fails():
+        optimizer_state = {"exp_avg": torch.zeros(50_000_000), "step": 3}  # 200 MB, as an optimizer holds
+        raise RuntimeError("x")
+    try:
+        fails()
+    except RuntimeError as exc:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        frames = rank_postmortem.snapshot(exc)
+        grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
+    state = pickle.loads(frames)[-1].values["optimizer_state"]
+    assert isinstance(state, rank_postmortem.Unshown) and "over" in state.why
+    assert grew < 100, f"the snapshot's peak memory grew {grew:.0f} MiB: the tensor was copied before it was refused"

@@ -62,28 +62,35 @@ class Session:
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_breakpoint_in_a_rank_opens_pdb_in_the_cell(kernel, method):
-    s = Session(kernel, ["p secret", "l", "n", "p y", "c"]).run(
+    answers = ["p secret", "pp {'s': secret}", "l", "n", "p y", "s", "s", "p v", "up", "p y", "down", "p v * 3", "c"]
+    s = Session(kernel, answers).run(
         LAUNCH +
+        "def helper(v):\n"
+        "    return v * 2\n"
         "def train():\n"
         "    secret = 40 + dist.get_rank()\n"
         "    if dist.get_rank() == 1:\n"
         "        print('BREAK AT', time.time(), flush=True)\n"
         "        breakpoint()\n"
         "    y = secret + 1\n"
+        "    z = helper(y)\n"
         "    dist.all_reduce(torch.ones(1))\n"
-        "    return y\n"
+        "    return z\n"
         f"print('RESULT', notebook_launcher(train, num_processes=2, display='text', start_method={method!r}))\n")
     assert s.error is None, s.shown
-    assert "RESULT [41, 42]" in s.stdout
-    assert len(s.prompts) == 5 and all(re.fullmatch(r"rank 1 (\(Pdb\)|ipdb>) ", p) for p in s.prompt_texts), s.prompts
+    assert "RESULT [82, 84]" in s.stdout
+    assert len(s.prompts) == len(answers), s.prompts
+    assert all(re.fullmatch(r"rank 1 (\(Pdb\)|ipdb>) ", p) for p in s.prompt_texts), s.prompts
     assert "--- rank 1 is in the debugger" in s.stdout
     broke_at = float(re.search(r"BREAK AT ([\d.]+)", s.stdout).group(1))
     assert s.prompts[0][0] - broke_at < 1.0, "the prompt took over 1 s to reach the cell"
-    # p secret, then l (the rank's own source), then n to the next line, where y is set
     after = s.stdout.split("--- rank 1 is in the debugger")[1]
-    assert re.search(r"^41$", after, re.M)
-    assert "->" in after and "y = secret + 1" in after and "dist.all_reduce(torch.ones(1))" in after
-    assert re.search(r"^42$", after, re.M)
+    # p and pp in the rank's locals; l lists the rank's source; n to the next line
+    assert re.search(r"^41$", after, re.M) and "{'s': 41}" in after
+    assert "->" in after and "y = secret + 1" in after and "z = helper(y)" in after
+    # s steps into helper (v == 42); up to train (y == 42), down again (v * 3)
+    assert re.search(r"^42$\n(.|\n)*^42$", after, re.M) and "helper()" in after
+    assert re.search(r"^126$", after, re.M)
 
 
 def test_two_ranks_that_break_at_once_are_served_one_after_the_other(kernel):
@@ -322,3 +329,44 @@ def test_live_ranks_debug_a_call_and_serve_the_next(kernel):
     assert "FIRST [100, 101]" in s.stdout and re.search(r"^101$", s.stdout, re.M)
     assert "QUIT [100, 101]" in s.stdout  # q left the debugger; rank 0, in a collective, was not left there
     assert "AFTER [100, 101] up" in s.stdout, s.stdout
+
+
+def test_in_jupyterlab_the_prompt_is_the_cells_input_box(tmp_path):
+    """As a person does it: JupyterLab in Chromium, the rank's prompt in the
+    cell's stdin box, the commands typed there, the rows saying who waits."""
+    import nbformat
+    from test_browser import _artifacts, _read, _serve
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        LAUNCH +
+        "def train():\n"
+        "    secret = 40 + dist.get_rank()\n"
+        "    if dist.get_rank() == 1:\n"
+        "        breakpoint()\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "    return secret\n"
+        "print('results:', notebook_launcher(train, num_processes=2))\n")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "debug.ipynb")
+    with _serve(tmp_path, "jupyterlab") as open_notebook:
+        page = open_notebook("debug.ipynb")
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        box = page.wait_for_selector(".jp-Stdin-input", timeout=90_000)
+        assert "rank 1" in page.inner_text(".jp-Stdin-prompt")
+        deadline = time.monotonic() + 30
+        while [s for s, _ in _read(page)["bars"]] != ["waiting: rank 1 is in the debugger", "paused: in the debugger"]:
+            assert time.monotonic() < deadline, _read(page)
+            page.wait_for_timeout(100)
+        page.screenshot(path=str(_artifacts() / "jupyterlab-rank-in-the-debugger.png"))
+        box.fill("p secret")
+        box.press("Enter")
+        page.wait_for_function("() => /\\n41\\n/.test(document.querySelector('.jp-OutputArea').innerText)",
+                               timeout=30_000)
+        # the answered box turns into text; the next prompt is a new, empty box
+        page.wait_for_function("() => { const boxes = document.querySelectorAll('.jp-Stdin-input');"
+                               " return boxes.length === 1 && boxes[0].value === ''; }", timeout=30_000)
+        page.locator(".jp-Stdin-input").fill("c")
+        page.locator(".jp-Stdin-input").press("Enter")
+        page.wait_for_selector("text=results: [40, 41]", timeout=60_000)
+        page.screenshot(path=str(_artifacts() / "jupyterlab-rank-debugged.png"))

@@ -35,3 +35,21 @@ def test_cell_magic_errors_are_those_of_notebook_launcher(kernel):
     shown = "\n".join(r.error["traceback"])
     assert shown.startswith("WorkerError: rank 1 raised ValueError: bad rank 1")
     assert "raise ValueError(f'bad rank {rank}')" in shown  # the cell's own source line
+
+
+def test_cell_magic_in_the_background_returns_the_run_at_once(kernel, tmp_path):
+    gate = tmp_path / "gate"
+    assert kernel.execute(f"%load_ext nblaunch\nimport os, time\nGATE = {str(gate)!r}\nSCALE = 3\n").error is None
+    r = kernel.execute("%%nblaunch -n 2 --background --display text\n"
+                       "while not os.path.exists(GATE):\n"
+                       "    time.sleep(0.02)\n"
+                       "rank * SCALE\n")
+    assert r.error is None, r.error
+    shown = [o for o in r.outputs if o["msg_type"] == "execute_result"][0]["content"]["data"]["text/plain"]
+    assert shown.startswith("<nblaunch.Run ") and "2 ranks" in shown
+    r = kernel.execute("run = _\nopen(GATE, 'w').close()\nprint('RESULT', run.result(timeout=120), run.status)")
+    assert "RESULT [0, 3] finished" in r.stdout, r.text
+    r = kernel.execute("%%nblaunch -n 2 --detach --display none\nrank + SCALE\n")
+    assert r.error is None, r.error
+    r = kernel.execute("run = _\nprint('RESULT', run.result(timeout=120), run.detached)\nrun.forget()")
+    assert "RESULT [3, 4] True" in r.stdout, r.text

@@ -237,3 +237,22 @@ def test_the_cluster_is_reachable_only_inside_its_namespace(cluster, netns):
     assert host == "127.0.0.1", cluster  # Ray found no other interface to bind
     with pytest.raises(OSError):  # this test runs outside the namespace: its loopback has no such port
         socket.create_connection((host, int(port)), timeout=5).close()
+
+
+def test_a_rank_on_the_second_ray_node_is_debugged_from_the_cell(ray_kernel):
+    from test_debugging import Session
+
+    s = Session(ray_kernel, ["p secret", "c"]).run("""
+import nblaunch, torch, torch.distributed as dist
+def train():
+    secret = 40 + dist.get_rank()
+    if dist.get_rank() == 2:
+        breakpoint()
+    dist.all_reduce(torch.ones(1))
+    return secret
+print('RESULT', nblaunch.notebook_launcher(train, num_processes=2, cluster='ray', display='text'))
+""")
+    assert s.error is None, s.shown
+    assert "RESULT [40, 41, 42, 43]" in s.stdout
+    assert s.prompt_texts and all(re.match(r"rank 2 on \S+ ", p) for p in s.prompt_texts), s.prompt_texts
+    assert re.search(r"^42$", s.stdout, re.M)

@@ -56,8 +56,8 @@ def _nothing_left(job: str, timeout: float = 15.0) -> None:
     assert not left, f"agents or ranks left on the nodes: {left}"
 
 
-def _salloc(nodes: int = 2) -> str:
-    out = subprocess.run(["salloc", "--no-shell", f"--nodes={nodes}", "--job-name=nblaunch-tests"],
+def _salloc(nodes: int = 2, *extra: str) -> str:
+    out = subprocess.run(["salloc", "--no-shell", f"--nodes={nodes}", "--job-name=nblaunch-tests", *extra],
                          capture_output=True, text=True, timeout=60)
     found = re.search(r"job allocation (\d+)", out.stdout + out.stderr)
     assert found, out.stdout + out.stderr
@@ -173,7 +173,7 @@ def fn():
     took = time.monotonic() - t0
     assert r.error is not None and r.error["ename"] == "WorkerError"
     tb = "\n".join(r.error["traceback"])
-    assert "rank 3 (node 1) raised ValueError: bad shard on the second node" in tb
+    assert "rank 3 on n2 raised ValueError: bad shard on the second node" in tb
     assert 'raise ValueError("bad shard on the second node")' in tb  # its own traceback
     assert took < 60  # loose: the others were stopped, not left to gloo's 30-minute timeout
 
@@ -202,7 +202,7 @@ def fail_on_3():
         raise RuntimeError("live failure on n2")
     time.sleep(60)
 ranks.run(fail_on_3)""")
-    assert r.error is not None and "rank 3 (node 1) raised RuntimeError: live failure on n2" in "\n".join(
+    assert r.error is not None and "rank 3 on n2 raised RuntimeError: live failure on n2" in "\n".join(
         r.error["traceback"])
     text = _ok(slurm_kernel.execute("print(ranks.run(bump, display='none')); print(ranks.status)"))
     assert "[(3, 'n1'), (13, 'n1'), (23, 'n2'), (33, 'n2')]" in text, text

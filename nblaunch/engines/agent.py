@@ -85,6 +85,8 @@ class _Agent:
         self._folder = tempfile.TemporaryDirectory(prefix="nblaunch-modules-")  # the notebook's modules, if sent
         self.pool = None
         self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
+        self.preempting: Optional[str] = None  # a preemption signal came (its name): the kernel tells every node
+        self._told = False
         self._sampler = None
         self._pending: list = []  # what the ranks sent, not relayed yet (RELAY_TICK_S)
 
@@ -121,7 +123,7 @@ class _Agent:
             print(f"nblaunch agent: installed the notebook's modules {', '.join(installed)} for this node's ranks",
                   flush=True)
         # This node alone: its place in the job comes with the setup (num_nodes was the engine's).
-        node_config = dataclasses.replace(config, cluster=None, num_nodes=1, master_addr=setup["node_addr"],
+        node_config = dataclasses.replace(config, cluster=None, num_nodes=1, min_nodes=None, master_addr=setup["node_addr"],
                                           backend=setup["backend"] or config.backend)
         plan = plan_ranks(node_config, live=setup["live"])
         self._sampler = Sampler(gpu_devices(list(range(config.num_processes))))
@@ -146,6 +148,11 @@ class _Agent:
             if any(not routine(i) for i in items) or time.monotonic() - sent_at >= RELAY_TICK_S:
                 self._flush()
                 sent_at = time.monotonic()
+            if self.preempting is not None and not self._told:
+                self._told = True
+                pool.preempt(f"{self.preempting} to this node's agent")  # this node's ranks at once
+                self._flush()  # what came before the notice, first
+                self._send(("preempt", self.preempting))
             usage = self._sampler.sample(pool.running_pids())
             if usage:
                 self._send(("usage", usage))
@@ -181,6 +188,8 @@ class _Agent:
             self._pending += pool.drain()
             self._flush()
             self._send(("reply", rid, None))
+        elif kind == "preempt":
+            pool.preempt(args[0])
         elif kind == "close":
             return True
         return False
@@ -220,11 +229,17 @@ def main(argv: Optional[list] = None) -> int:
             agent.ending = (f"was ended by {signal.Signals(signum).name}, sent to its agent by the engine "
                             "(a cancelled SLURM job or step, a Ray actor that was killed)")
 
+    def preempt(signum, frame) -> None:
+        if agent is not None and agent.preempting is None:
+            agent.preempting = signal.Signals(signum).name
+
     signal.signal(signal.SIGTERM, end)
     signal.signal(signal.SIGINT, end)
+    # scancel --signal=USR1 and --signal=USR1@60: the job ends soon; every rank is told.
+    signal.signal(signal.SIGUSR1, preempt)
     # A Ray worker starts its children with SIGINT blocked; ranks inherit the
     # mask, and a blocked SIGINT is the stop button doing nothing.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
     # What every rank needs, imported once here before the ranks are forked
     # (a fresh process: no OpenMP pool, no CUDA), while the other nodes start.
     import cloudpickle  # noqa: F401

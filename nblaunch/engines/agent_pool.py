@@ -214,6 +214,8 @@ class AgentPool(RankPool):
             self._usage.update({first + local: u for local, u in args[0].items()})
         elif kind == "started":
             agent.started = True
+        elif kind == "preempt":  # its cluster told the node's agent the job is ending
+            self.preempting = self.preempting or (args[0], f"the agent on {agent.name}")
         elif kind == "bye":  # the engine is ending this node: that, not its ranks' deaths, is the news
             agent.why = args[0]
             for r in range(first, first + self.per_node):
@@ -260,6 +262,10 @@ class AgentPool(RankPool):
         if rank // self.per_node >= len(self._agents):
             return False
         return self._tell(self._agent_of(rank), ("send", rank % self.per_node, message))
+
+    def preempt(self, why: str) -> None:
+        for agent in self._agents:
+            self._tell(agent, ("preempt", why))
 
     def signal(self, sig: int, ranks: list[int]) -> None:
         for node, locals_ in self._by_node(ranks).items():

@@ -79,6 +79,23 @@ class AgentEngine(Engine):
     def start_agents(self, env: dict, log_path: str) -> AgentStep:
         """One agent per node, with ``env`` added to its environment and its output to ``log_path``."""
 
+    def without(self, names: list[str]) -> None:
+        """Run the next generations without the nodes named (lost ones)."""
+        raise NotImplementedError
+
+    def shrink(self, failures: list) -> bool:
+        """After a generation that lost nodes (failures of kind ``node``):
+        the next runs on the nodes still up, if ``min_nodes`` allows (True).
+        A node whose agent vanished is not used again in this launch: its
+        daemon may be gone too, and SLURM would say so only after its
+        ``SlurmdTimeout``."""
+        lost = sorted({f.host or str(f.node) for f in failures if f.kind == "node"})
+        least = self.config.min_nodes
+        if least is None or not lost or self.num_nodes - len(lost) < least:
+            return False
+        self.without(lost)
+        return True
+
     def new_pool(self, job: Any, attempt: int) -> "AgentPool":
         return AgentPool(self.config, self, job=job, attempt=attempt, live=self.live, pg_timeout=self.pg_timeout)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from . import inflight
 from .base import Engine
 from .local_pool import LocalPool
 from .nodes import SingleNode
@@ -19,11 +20,18 @@ class LocalEngine(Engine):
 
     def __init__(self, config, live: bool):
         self.config = config
-        self.plan = plan_ranks(config, live=live)
+        self._counted = True  # in inflight's count until close()
+        self.plan = inflight.enter(lambda others: plan_ranks(config, live=live,
+                                                             shared=bool(others) or config.background))
         self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
         self.world_size = config.num_processes
         self.pg_timeout = self.plan.pg_timeout
-        self.nodes = self._nodes()
+        try:
+            self.nodes = self._nodes()
+        except BaseException:
+            self._counted = False
+            inflight.leave()
+            raise
 
     def _nodes(self):
         """Where this node's ranks sit in the job: here, the whole job."""
@@ -39,4 +47,9 @@ class LocalEngine(Engine):
         return LocalPool(self.plan, self.nodes, job=job, attempt=attempt)
 
     def close(self) -> None:
-        self.nodes.close()
+        try:
+            self.nodes.close()
+        finally:
+            if self._counted:
+                self._counted = False
+                inflight.leave()

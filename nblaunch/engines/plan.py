@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the config reaches a plan whole; importing it here would cl
     from ..config import LaunchConfig
 
 __all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for",
-           "starting_ranks"]
+           "share_env", "CPUS_ENV", "SHARED_NOTICE", "SHARED_WHY", "starting_ranks"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
 #: :mod:`nblaunch.engines.forkserver_guard` to know its kernel by.
@@ -51,34 +51,57 @@ def pg_timeout_for(timeout: Optional[float]) -> float:
     return min(max(float(timeout) + max(10.0, 0.1 * float(timeout)), DEFAULT_PG_TIMEOUT_S), MAX_PG_TIMEOUT_S)
 
 
-def plan_ranks(config: LaunchConfig, live: bool = False) -> RankPlan:
-    """Start method, backend, threads and the ranks' common spec."""
+def plan_ranks(config: LaunchConfig, live: bool = False, shared: bool = False) -> RankPlan:
+    """Start method, backend, threads and the ranks' common spec. ``shared``:
+    other launches' threads run in this process (see :func:`choose_start_method`)."""
     n = config.num_processes
-    method, reason = choose_start_method(config.start_method)
-    backend = _resolve_backend(config.backend, n) if config.init_process_group else None
-    threads = config.threads_per_rank or default_threads(n)
+    method, reason = choose_start_method(config.start_method, shared=shared)
+    if config.background and reason == SHARED_NOTICE:
+        reason = None  # a background run always starts so (README); the header says forkserver
+    gpus = len(config.devices) if config.devices is not None else None
+    backend = _resolve_backend(config.backend, n, gpus) if config.init_process_group else None
+    threads = config.threads_per_rank or default_threads(n, config.cpus)
     if method == "forkserver":
         _preload_forkserver()
     # Live ranks set their group's timeout per call (worker._call_timeout).
     pg_timeout = pg_timeout_for(None if live else config.timeout)
     specs_base = dict(
         world_size=n, local_world_size=n, master_addr=config.addr, kernel_pid=os.getpid(), backend=backend,
-        threads=threads, pg_timeout_s=pg_timeout, env={**_interface_env(config.addr), **_accelerate_env()},
+        threads=threads, pg_timeout_s=pg_timeout, env={**_interface_env(config.addr), **_accelerate_env(), **share_env(config)},
         max_restarts=config.max_restarts, run_id=config.rdzv_id if config.multi_node else "none",
         environ=rank_env.rank_environ(), logging_setup=rank_env.kernel_logging(), live=live,
         forked=method == "fork", kernel_facts=rank_env.kernel_facts() if method == "fork" else None)
     return RankPlan(method, reason, backend, multiprocessing.get_context(method), pg_timeout, specs_base)
 
 
-def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:
+SHARED_WHY = ("other threads of this kernel run meanwhile, and a fork copies whatever lock one of them "
+              "holds (a hang in the ranks)")
+SHARED_NOTICE = "ranks start from the forkserver: " + SHARED_WHY
+
+
+def choose_start_method(requested: str = "auto", shared: bool = False) -> tuple[str, Optional[str]]:
     """Return ``(method, notice)``; ``notice`` says why auto did not fork.
 
     Fork is chosen only on Linux with CUDA not initialised in this process
     (checked without initialising it). A forked rank is started from a fresh
-    thread, which keeps it safe from the kernel's OpenMP state.
+    thread, which keeps it safe from the kernel's OpenMP state. ``shared``:
+    other threads of this process run code of their own while the ranks
+    are made (a background run's cell goes on; another launch's store and
+    watch): a fork copies whatever lock one of them holds at that instant
+    (glibc's resolver lock, held during a store's ``getnameinfo``, hung
+    ranks so), and no thread of the kernel can be made quiet. The
+    forkserver is the one zygote made before any of those threads: a fresh
+    interpreter, single-threaded, started once per kernel by ``exec``;
+    ranks forked from it inherit no lock. So ``auto`` picks it, and
+    ``fork`` is refused.
     """
     available = multiprocessing.get_all_start_methods()
     cuda_busy = _cuda_initialized()
+    if shared and requested in ("auto", "fork") and "forkserver" in available:
+        if requested == "fork":
+            raise ValueError("start_method='fork' cannot be used while other runs are in flight in this kernel: "
+                             + SHARED_WHY + ". Use 'auto' (the forkserver).")
+        return "forkserver", SHARED_NOTICE
     if requested == "fork":
         if "fork" not in available:
             raise ValueError(f"start_method='fork' is not available on {sys.platform}; "
@@ -102,16 +125,34 @@ def choose_start_method(requested: str = "auto") -> tuple[str, Optional[str]]:
     return "fork", None
 
 
-def default_threads(num_processes: int) -> int:
-    """Intra-op threads for each rank: the CPUs this process may use split
-    evenly, at least 1, never more than the kernel's own setting."""
+def default_threads(num_processes: int, cpus: Optional[tuple] = None) -> int:
+    """Intra-op threads for each rank: the CPUs this process may use (or the
+    run's ``cpus``) split evenly, at least 1, never more than the kernel's own setting."""
     import torch
 
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(torch.get_num_threads(), cpus // num_processes))
+    if cpus is not None:
+        count = len(cpus)
+    else:
+        try:
+            count = len(os.sched_getaffinity(0))
+        except AttributeError:
+            count = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), count // num_processes))
+
+
+#: The CPUs a rank is pinned to (``cpus=``), read by ``rank.setup.setup_torch``.
+CPUS_ENV = "NBLAUNCH_CPUS"
+
+
+def share_env(config: LaunchConfig) -> dict:
+    """A run's share of the machine, as its ranks' variables: the GPUs it
+    sees (``devices=``), the CPUs each rank is pinned to (``cpus=``)."""
+    env = {}
+    if config.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, config.devices))
+    if config.cpus is not None:
+        env[CPUS_ENV] = ",".join(map(str, config.cpus))
+    return env
 
 
 def _preload_forkserver() -> None:
@@ -150,11 +191,13 @@ def _cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _resolve_backend(backend: str, num_processes: int) -> str:
+def _resolve_backend(backend: str, num_processes: int, gpus: Optional[int] = None) -> str:
     import torch
 
     # NVML's count: does not initialise CUDA.
-    return resolve_backend(backend, num_processes, torch.cuda.device_count(), torch.distributed.is_nccl_available())
+    where = "visible" if gpus is None else "in devices="
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    return resolve_backend(backend, num_processes, gpus, torch.distributed.is_nccl_available(), where=where)
 
 
 def resolve_backend(backend: str, ranks: int, gpus: int, nccl_available: bool, where: str = "visible") -> str:

@@ -105,6 +105,9 @@ class RankPool(abc.ABC):
 
     size: int
     placement: Optional[Placement] = None
+    # (signal, where): a preemption signal reached the engine's side of the job
+    # (a node's agent); the call watch tells every rank (``preempt``).
+    preempting: Optional[tuple] = None
     log_dir: Path
     facts: list  # a RankFacts (or a kind's extension of it) per rank
     _closed = False
@@ -162,6 +165,13 @@ class RankPool(abc.ABC):
         finally:
             self._release()
 
+    def preempt(self, why: str) -> None:
+        """Tell every rank the job is preempted (``nblaunch.preempted()``
+        turns true): a file in the folder of the ranks' own files."""
+        from ..preempt import write_notice
+
+        write_notice(str(self.log_dir), why)
+
     def interrupt(self, rank: int, how: str) -> None:
         """A live rank's SIGINT, for the call it is on (``how``: see ``rank.interrupts.CallInterrupt``)."""
         self.send(rank, Interrupt(how))
@@ -209,6 +219,15 @@ class RankPool(abc.ABC):
     def host(self, rank: int) -> Optional[str]:
         """The machine a rank runs on, where the pool spans several."""
         return None
+
+    def node_name(self, rank: int) -> Optional[str]:
+        """The rank's machine, where its name tells the job's nodes apart
+        (messages then say ``rank 3 on n2``); None elsewhere."""
+        hosts = [self.host(r) for r in range(self.size)]
+        host, nodes = hosts[rank], {self.node(r) for r in range(self.size)}
+        if host is None or len({h for h in hosts if h is not None}) != len(nodes):
+            return None
+        return host
 
     def running_pids(self) -> dict[int, int]:
         """Rank -> pid, of ranks started and not ended, whose process is on this machine."""

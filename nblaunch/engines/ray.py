@@ -126,6 +126,9 @@ class RayEngine(AgentEngine):
     def label(self) -> str:
         return f"Ray cluster at {self._gcs}"
 
+    def without(self, names: list[str]) -> None:
+        self._want -= len(names)  # the next placement group has that many fewer bundles
+
     @property
     def reach(self) -> str:
         return self._gcs.rsplit(":", 1)[0]

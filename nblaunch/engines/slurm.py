@@ -134,6 +134,8 @@ class SlurmEngine(AgentEngine):
             args.append(f"--partition={self.spec.partition}")
         if self.spec.time:
             args.append(f"--time={self.spec.time}")
+        if self.config.min_nodes is not None:
+            args.append("--no-kill")  # a lost node must not end the allocation the others go on in
         args += list(self.spec.extra_args)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=without_slurm_vars(os.environ), start_new_session=True)
@@ -195,6 +197,10 @@ class SlurmEngine(AgentEngine):
         self.addrs = [self._node_addr(h) for h in self.hosts]
         cpus, nodes = int(fields.get("NumCPUs", "1")), int(fields.get("NumNodes", "1"))
         self._cpus = max(1, cpus // max(1, nodes))
+
+    def without(self, names: list[str]) -> None:
+        kept = [i for i, h in enumerate(self.hosts) if h not in names]
+        self.hosts, self.addrs = [self.hosts[i] for i in kept], [self.addrs[i] for i in kept]
 
     @staticmethod
     def _node_addr(host: str) -> str:

@@ -113,6 +113,10 @@ class RankPdb(pdb.Pdb):
         self._on_resume = on_resume
         self._in_session = False
 
+    def set_trace(self, frame=None, **kwargs):
+        if _usable():
+            super().set_trace(frame if frame is not None else sys._getframe(1), **kwargs)
+
     def interaction(self, frame, tb_or_exc):
         if not self._in_session:
             self._in_session = True
@@ -181,6 +185,11 @@ def install(sender, go, rank: int) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and hasattr(dist, "breakpoint"):
         dist.breakpoint = _dist_breakpoint
+        # Where the notebook bound torch's own function before the rank
+        # existed (``from torch.distributed import breakpoint``), its pdb is ours.
+        for factory in ("_make_distributed_pdb", "_DistributedPdb"):
+            if hasattr(dist, factory):
+                setattr(dist, factory, lambda: RankPdb(_desk))
 
 
 def begin_call(call: int) -> None:
@@ -212,9 +221,12 @@ def _set_trace(*, header: Optional[str] = None) -> None:
 _skipped: dict = {}
 
 
-def _dist_breakpoint(rank: int = 0, skip: int = 0) -> None:
+def _dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: Optional[float] = 3600) -> None:
     """``torch.distributed.breakpoint``: rank ``rank`` stops at its caller's
-    next line; every other rank waits in a barrier until it runs on."""
+    next line; every other rank waits in a barrier until it runs on. As in
+    torch, the groups' collectives then wait ``timeout_s`` (the barrier too)."""
+    import datetime
+
     import torch.distributed as dist
 
     caller = sys._getframe(1)
@@ -223,6 +235,12 @@ def _dist_breakpoint(rank: int = 0, skip: int = 0) -> None:
         _skipped[key] = _skipped.get(key, 0) + 1
         if _skipped[key] <= skip:
             return
+    if timeout_s is not None:
+        try:
+            for group in dist.distributed_c10d._pg_map:
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+        except Exception:  # noqa: BLE001 - an older torch: the groups keep their timeout
+            pass
     if dist.get_rank() == rank and _usable():
         RankPdb(_desk, on_resume=dist.barrier).set_trace(caller)
     else:

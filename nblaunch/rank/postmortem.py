@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import linecache
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +26,7 @@ VALUE_BYTES = 1 << 20
 TOTAL_BYTES = 16 << 20
 MAX_FRAMES = 40
 REPR_CHARS = 2000
+TIME_S = 1.0  # the failure is reported after this at most; locals not pickled by then show as repr
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def snapshot(exc: BaseException) -> Optional[bytes]:
     first = next((i for i, (f, _) in enumerate(frames) if not is_machinery(f.f_code.co_filename)), None)
     if first is None:
         return None
-    budget = [TOTAL_BYTES]
+    budget = [TOTAL_BYTES, time.monotonic() + TIME_S]  # bytes left, and until when
     shipped: set = set()  # each file's source once
     records = [_record(f, line, budget, shipped) for f, line in frames[first:][-MAX_FRAMES:]]
     try:
@@ -106,16 +108,35 @@ def _record(frame, lineno: int, budget: list, shipped: set) -> FrameRecord:
                        lines, values)
 
 
-def _value(value: Any, budget: list):
+def _pickler(out: _Bounded):
+    """cloudpickle, refusing a tensor over the limit before torch copies
+    its storage out (an optimizer's state can be gigabytes), and copying a
+    GPU tensor to the CPU (the kernel may have no GPU)."""
     import cloudpickle
 
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            size = _tensor_bytes(obj, modules=False)
+            if size is not None:
+                if size > out.limit - len(out.buf):
+                    raise _Full
+                if obj.device.type != "cpu":
+                    return obj.detach().cpu().__reduce_ex__(5)
+            return super().reducer_override(obj)
+
+    return Pickler(out, protocol=5)
+
+
+def _value(value: Any, budget: list):
     limit = min(VALUE_BYTES, budget[0])
+    if time.monotonic() > budget[1]:
+        return _unshown(value, "the snapshot's time was spent")
     size = _tensor_bytes(value)
     if size is not None and size > limit:
         return _unshown(value, f"{size:,} bytes of tensor data")
     out = _Bounded(limit)
     try:
-        cloudpickle.CloudPickler(out, protocol=5).dump(_on_cpu(value))
+        _pickler(out).dump(value)
     except _Full:
         return _unshown(value, f"over {limit:,} bytes pickled")
     except Exception as exc:  # noqa: BLE001 - a local that cannot travel is shown as its repr
@@ -124,22 +145,15 @@ def _value(value: Any, budget: list):
     return bytes(out.buf)
 
 
-def _tensor_bytes(value: Any) -> Optional[int]:
+def _tensor_bytes(value: Any, modules: bool = True) -> Optional[int]:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, torch.nn.Module):
+    if modules and isinstance(value, torch.nn.Module):
         return sum(p.numel() * p.element_size() for p in value.parameters())
     return None
-
-
-def _on_cpu(value: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.detach().cpu()
-    return value
 
 
 def _unshown(value: Any, why: str) -> Unshown:

@@ -173,6 +173,9 @@ def setup_torch(spec: WorkerSpec, sender: EventSender) -> bool:
     import torch
 
     torch_imported()
+    cpus = os.environ.get("NBLAUNCH_CPUS")  # plan.CPUS_ENV: a run's cpus=, before torch's threads exist
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
     torch.set_num_threads(spec.threads)
     if torch.cuda.is_available() and spec.local_rank < torch.cuda.device_count():
         torch.cuda.set_device(spec.local_rank)

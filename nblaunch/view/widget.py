@@ -33,11 +33,21 @@ class WidgetDisplay(View):
 
     BURST_LINES = PAGE_LINES * MAX_PAGES  # a whole pane at once: a short script's output in full
 
-    def __init__(self, show: bool = True, show_after: float = 0.0):
+    def __init__(self, show: bool = True, show_after: float = 0.0, handle=None, keep_widgets: bool = False):
         """``show_after``: seconds the launch must run before the widgets are
         built; one that ends sooner shows only its final view, as static
-        HTML (building and closing a dozen widgets is most of a short call)."""
+        HTML (building and closing a dozen widgets is most of a short call).
+        ``handle``: a display (``display(..., display_id=True)``) made
+        earlier, in the cell the view belongs to, that the view is drawn
+        into: a background run's view is fed from another thread, whose own
+        ``display`` could land in whichever cell runs then. ``keep_widgets``:
+        the widgets stay (showing the final state) after ``close`` until
+        :meth:`drop_widgets`: a tab opened again while a background run
+        trained shows its view from the saved notebook, whose output names
+        the widgets, not the display that gets the static copy."""
         super().__init__()
+        self._given_handle = handle
+        self._keep_widgets = keep_widgets
         self._display_it = show
         self._show_after = show_after
         self._show_at: Optional[float] = None
@@ -66,7 +76,10 @@ class WidgetDisplay(View):
         import ipywidgets as w
 
         self._build(w)
-        if self._display_it:
+        if self._given_handle is not None:
+            self._handle = self._given_handle
+            self._handle.update(self.box)
+        elif self._display_it:
             from IPython.display import display
 
             self._handle = display(self.box, display_id=True)
@@ -107,8 +120,13 @@ class WidgetDisplay(View):
         self._draw()
 
     def tick(self, force: bool = False) -> None:
+        """Redraw, at most at the view's rate; ``force``: now, and show the
+        view now if it waits to be shown (the cell is about to block, at a
+        rank's debugger prompt)."""
         now = time.monotonic()
-        if self.box is None and self._show_at is not None and now >= self._show_at:
+        if self.box is None and self._show_at is not None and (force or now >= self._show_at):
+            self._show_at = now
+            self._show_after = 0
             self.show()
         if force or now - self._last_draw >= 1.0 / MAX_RATE:
             self._draw(force)
@@ -128,9 +146,12 @@ class WidgetDisplay(View):
         self._live_changed = True
         self._draw()
         final = {"text/html": self.static_html(), "text/plain": self.static_text()}
+        if self._handle is None and self._given_handle is not None:
+            self._handle = self._given_handle  # ended before its widgets were due: the final view in its place
         if self._handle is not None:
             self._handle.update(final, raw=True)
-            self._close_widgets()
+            if not self._keep_widgets:
+                self._close_widgets()
         elif self._w is _Static and self._display_it:
             from IPython.display import display
 
@@ -159,6 +180,11 @@ class WidgetDisplay(View):
             lines += [f"    {line}" for line in shown]
         lines.append(f"  full output: {st.log_dir}")
         return "\n".join(lines)
+
+    def drop_widgets(self) -> None:
+        """Close the widgets a ``keep_widgets`` view kept (safe twice)."""
+        if self.box is not None:
+            self._close_widgets()
 
     def _close_widgets(self) -> None:
         widgets = [self.box, self.header, self.rows, self.chart, self.pane, self.live, self.footer, *self._pages]

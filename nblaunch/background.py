@@ -1,0 +1,69 @@
+"""The public calls of background runs: ``submit`` and ``runs``
+(:mod:`nblaunch.runs`: a run in this kernel; :mod:`nblaunch.detached`: one
+owned by a supervisor, ``attach``)."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+from .config import LaunchConfig, check_call
+from .detached import detached_runs, start_detached
+from .errors import LaunchError
+from .rank import worker
+from .runs import Run, kernel_runs, new_id, register, start_here
+
+__all__ = ["submit", "runs"]
+
+_submitting = threading.Lock()
+
+
+def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, num_processes: int,
+           cpus: Optional[Sequence[int]] = None, devices: Optional[Sequence[int]] = None, detach: bool = False,
+           **options) -> Run:
+    """Start ``fn(*args, **kwargs)`` on ``num_processes`` ranks in the
+    background and return its :class:`Run` at once (the ranks still starting).
+
+    Takes every option of ``notebook_launcher``, and: ``cpus`` (CPU numbers
+    every rank of this run is pinned to; threads per rank split them) and
+    ``devices`` (GPU indices this run's ranks see, as ``CUDA_VISIBLE_DEVICES``),
+    so that several runs can split a machine (a run whose ``devices`` overlap
+    another running one's is refused); ``detach=True``: the run is owned by
+    a supervisor process and survives the kernel (:func:`attach`).
+    The view appears in the calling cell and keeps moving while other cells
+    run. Interrupting a cell never stops a run; ``run.stop()`` does."""
+    args, kwargs = check_call(fn, args, kwargs)
+    if not isinstance(detach, bool):
+        raise TypeError(f"detach must be True or False, got {detach!r}")
+    config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
+    if worker.current_spec() is not None:
+        raise LaunchError("nblaunch.submit was called inside a rank; submit runs from the notebook")
+    with _submitting:  # two submits at once cannot both take the same free GPUs
+        _check_devices_free(config)
+        run = (start_detached if detach else start_here)(new_id(), config, fn, args, kwargs)
+        register(run)
+    return run
+
+
+def _check_devices_free(config: LaunchConfig) -> None:
+    """Refuse GPUs that a running run of this machine uses (this kernel's, or detached)."""
+    if config.devices is None:
+        return
+    for other in runs(all=True):
+        if other.done() or other.config.devices is None:
+            continue
+        taken = sorted(set(config.devices) & set(other.config.devices))
+        if taken:
+            raise ValueError(f"devices {taken} are used by run {other.id} ({other.status}); "
+                             f"give this run other GPUs, or stop that one first (run.stop())")
+
+
+def runs(all: bool = False) -> list:
+    """This kernel's runs, oldest first; ``all=True``: with every detached
+    run of this machine (from other kernels too, or from before a restart)."""
+    mine = kernel_runs()
+    if not all:
+        return mine
+    known = {r.id for r in mine}
+    return mine + [r for r in detached_runs() if r.id not in known]
+
+

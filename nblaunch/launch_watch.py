@@ -1,0 +1,56 @@
+"""A launch's call watch for a long run: the steps its ranks reached (for
+the restart lines, :mod:`nblaunch.restarts`) and preemption
+(:mod:`nblaunch.preempt`): a notice of the job's end is passed to every
+rank once, the ranks have the grace to save and return, and those still in
+the call after it are stopped, the verdict then being ``Preempted``."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from .wire.channel import Progress
+from .preempt import Catcher, Grace
+from .watch import CallWatch
+
+__all__ = ["LaunchWatch"]
+
+
+class LaunchWatch(CallWatch):
+    """:class:`~nblaunch.watch.CallWatch` with ``steps`` (global rank -> the
+    step its progress bar last showed) and ``preemption`` (a
+    :class:`~nblaunch.preempt.Catcher`, None: nothing is caught)."""
+
+    def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None, **options):
+        super().__init__(pool, view, call, **options)
+        self._catcher = preemption
+        self._grace = Grace(preemption)
+        self.steps: dict[int, int] = {}
+
+    def run(self, begin) -> list:
+        """The call; preemption signals are caught once its ranks are started."""
+        def begin_then_arm() -> None:
+            begin()
+            if self._catcher is not None:
+                self._catcher.arm()
+
+        try:
+            return super().run(begin_then_arm)
+        finally:
+            if self._catcher is not None:
+                self._catcher.disarm()
+
+    def _pass(self) -> None:
+        super()._pass()
+        if self._grace.check(time.monotonic(), self._pool, self._view, self._in_call()):
+            self._give_up("was preempted")
+
+    def _on_event(self, rank: int, event) -> None:
+        super()._on_event(rank, event)
+        if isinstance(event, Progress) and event.call == self.call:
+            self.steps[self._pool.global_rank(rank)] = event.n
+
+    def _outcome(self) -> list:
+        if self._grace.expired:
+            returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
+            raise self._grace.error(self._pool, returned, self.steps)
+        return super()._outcome()

@@ -1,0 +1,187 @@
+"""Preemption: a notice to every rank that the job is about to end.
+
+SLURM says a job is about to end with a signal: SIGTERM on preemption or
+``scancel``, SIGUSR1 (or any signal) with ``scancel --signal=USR1`` or
+``--signal=USR1@60`` before the time limit. When SIGTERM reaches the kernel
+(:class:`Catcher`, while a launch's ranks run) or SIGUSR1 a node's agent
+(which tells the kernel; in the kernel SIGUSR1 is left alone: it is the
+ranks' stack-dump signal, which forked processes inherit), the kernel tells every rank of the generation at once
+(``RankPool.preempt``: a file beside the rank's other files, on every
+node), and the ranks get ``grace`` seconds, never cut short, to save and
+return. In a rank, :func:`preempted` says so::
+
+    for step in range(start, steps):
+        train_step()
+        if nblaunch.preempted(agree=True):   # every rank, the same step
+            dcp.save(state, checkpoint_id=...)
+            return step
+
+nblaunch writes no checkpoint of its own: ``torch.distributed.checkpoint``
+saves and reloads (resharding when fewer ranks load it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT"]
+
+NOTICE_FILE = "preempted"  # in the folder of the rank's stack file: the pool's folder on its node
+CAUGHT = (signal.SIGTERM,)  # SIGUSR1 is a rank's stack dump here; the agents take it on a cluster
+
+_seen = False
+
+
+def preempted(agree: bool = False) -> bool:
+    """In a rank: True once the job was told to end (SIGTERM to the kernel,
+    SIGUSR1 to a node's agents); the rank then has the launch's
+    ``preempt_grace`` seconds to save and return. False outside a rank.
+
+    ``agree=True`` makes it a collective on the default process group (every
+    rank must call it at the same point, as with any collective): True on
+    every rank if the notice reached any, so that all save at the same step.
+    The notice reaches every rank within a few milliseconds, but a rank
+    between two checks may see it one step later than another."""
+    global _seen
+    if not _seen:
+        _seen = _notice_here()
+    if not agree:
+        return _seen
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _seen
+    flag = torch.tensor([1.0 if _seen else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _seen = bool(flag.item())
+    return _seen
+
+
+def _notice_here() -> bool:
+    from .rank import worker
+
+    spec = worker.current_spec()
+    if spec is None or not spec.stack_file:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))
+
+
+def write_notice(folder: str, text: str) -> None:
+    """The notice, for the ranks whose files are in ``folder``."""
+    tmp = os.path.join(folder, f".{NOTICE_FILE}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(folder, NOTICE_FILE))
+
+
+class Catcher:
+    """SIGTERM to the kernel, while a launch's ranks run: held
+    as a notice instead of ending the kernel (``signal``: the name of the
+    first one, None until one came). Outside the main thread no handler can
+    be set: nothing is caught there. A node's agent's notice comes through
+    :meth:`note` as well. ``grace``: the seconds the ranks get."""
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self.signal: Optional[str] = None
+        self.where = ""
+        self.at: Optional[float] = None
+        self._previous: dict = {}
+
+    def arm(self) -> None:
+        """Catch from now on. Armed only once the generation's ranks are
+        started: a process forked meanwhile would inherit the handlers (a
+        rank's SIGUSR1 is its stack dump)."""
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            for sig in CAUGHT:
+                # Only a signal nothing else handles: a handler set outside
+                # Python (faulthandler's, which a process forked from this one
+                # keeps) could not be put back, and one the process set itself
+                # means something else there (a detached run's supervisor:
+                # SIGTERM is run.stop()).
+                if signal.getsignal(sig) == signal.SIG_DFL:
+                    self._previous[sig] = signal.signal(sig, self._handler)
+
+    def disarm(self) -> None:
+        """The kernel's own handlers back."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def __enter__(self) -> "Catcher":
+        self.arm()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()
+
+    def _handler(self, signum, frame) -> None:
+        self.note(signal.Signals(signum).name, "the kernel")
+
+    def note(self, name: str, where: str) -> None:
+        """A notice came (``name``: the signal; ``where``: who got it)."""
+        if self.signal is None:
+            self.signal, self.where, self.at = name, where, time.monotonic()
+
+    @property
+    def caught(self) -> bool:
+        return self.signal is not None
+
+
+class Grace:
+    """The call watch's side of a notice: the ranks are told once
+    (``pool.preempt``), then have ``catcher.grace`` seconds, never cut short.
+    :meth:`check` says, once, when the grace is over with ranks still in
+    the call (the watch then stops them); :meth:`error` is the verdict."""
+
+    def __init__(self, catcher: Optional[Catcher]):
+        self.catcher = catcher  # None: nothing is caught (live ranks)
+        self.until: Optional[float] = None
+        self.expired = False
+
+    def check(self, now: float, pool, view, in_call: list) -> bool:
+        c = self.catcher
+        if c is not None and pool.preempting is not None:  # a node's agent got the signal
+            c.note(*pool.preempting)
+        if c is None or not c.caught or self.expired:
+            return False
+        if self.until is None:
+            self.until = now + c.grace
+            pool.preempt(f"{c.signal} to {c.where}")
+            view.notice(f"preempted ({c.signal} to {c.where}): saving; the ranks have {c.grace:g} s to save "
+                        "and return (nblaunch.preempted() is true on every rank)")
+            for r in in_call:
+                view.rank_status(r, "preempted: saving")
+            return False
+        if now >= self.until and in_call:
+            self.expired = True
+            view.notice(f"the {c.grace:g} s grace after the preemption is over; stopping the ranks")
+            return True
+        return False
+
+    def error(self, pool, returned: list, steps: dict):
+        """``Preempted``: what came, at which step (the furthest of ``steps``,
+        global rank -> its bar's last step), who did not return in time."""
+        from .errors import Preempted
+
+        c = self.catcher
+        left = [pool.global_rank(r) for r in range(pool.size) if r not in returned]
+        returned = [pool.global_rank(r) for r in returned]
+        step = max(steps.values()) if steps else None
+        at = f" at step {step}" if step is not None else ""
+        back = f"; {_ranks(returned)} returned" if returned else ""
+        return Preempted(f"the launch was preempted ({c.signal} to {c.where}){at}: {_ranks(left)} did not return "
+                         f"within the {c.grace:g} s grace (preempt_grace) and were stopped{back}. Save when "
+                         f"nblaunch.preempted() turns true, and resume from that checkpoint. Full output: "
+                         f"{pool.log_dir}", signal=c.signal, step=step, returned=tuple(returned),
+                         log_dir=str(pool.log_dir))
+
+
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -1,0 +1,57 @@
+"""A launch's restarts (``max_restarts``): what ended each generation, said
+in the next one's view ("restart 1 of 2: rank 1 on n2 killed by SIGKILL at
+step 412; 2 nodes, 4 ranks"), in the final summary, and in the last
+attempt's ``WorkerError``, which lists every attempt's cause."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import WorkerError
+
+__all__ = ["History", "may_restart"]
+
+
+class History:
+    """The restarts of one launch, as lines."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+        self.causes: list[str] = []  # what ended each earlier attempt: "rank 1 killed by SIGKILL at step 412"
+        self.lines: list[str] = []  # the view's: "restart 1 of 2: ...; 4 ranks"
+
+    def record(self, exc: WorkerError, steps: dict, nodes: int, world_size: int) -> None:
+        """Generation ``len(causes)`` failed with ``exc`` (``steps``: global
+        rank -> its bar's last step); the next has ``nodes`` and ``world_size``."""
+        cause = exc.root.brief() + at_step(steps, exc.root.rank)
+        self.causes.append(cause)
+        size = (f"{nodes} nodes, " if nodes > 1 else "") + f"{world_size} ranks"
+        self.lines.append(f"restart {len(self.causes)} of {self.max_restarts}: {cause}; {size}")
+
+    def final(self, exc: WorkerError) -> WorkerError:
+        """The last attempt's error, listing every earlier attempt's cause."""
+        if not self.causes:
+            return exc
+        return WorkerError(exc.failures, exc.log_dir, exc.note, attempts=tuple(self.causes))
+
+    def summary(self) -> Optional[str]:
+        """The final summary's line (None: no restart)."""
+        if not self.lines:
+            return None
+        return f"finished after {len(self.lines)} restart(s): " + "; ".join(self.lines)
+
+
+def at_step(steps: dict, rank: int) -> str:
+    """`` at step 412``: where the rank's progress bar was (the furthest of any rank's, if it had none)."""
+    step = steps.get(rank, max(steps.values()) if steps else None)
+    return f" at step {step}" if step is not None else ""
+
+
+def may_restart(engine, exc: WorkerError) -> bool:
+    """Whether a failed generation is replaced: yes, except where a node's
+    launcher was stopped or a node was lost (kind ``node``), unless the
+    engine can go on without the lost nodes (``engine.shrink``: a cluster
+    with ``min_nodes``), which it then does."""
+    if exc.root.kind != "node":
+        return True
+    shrink = getattr(engine, "shrink", None)
+    return shrink is not None and shrink(exc.failures)
