@@ -163,8 +163,11 @@ def gpu_devices(local_ranks: list[int]) -> dict[int, int]:
     import os
     import sys
 
-    torch = sys.modules.get("torch")
-    count = torch.cuda.device_count() if torch is not None else 0
+    if "torch" not in sys.modules:
+        return {}
+    import torch  # waits if another thread is still importing it
+
+    count = torch.cuda.device_count()
     if not count:
         return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import sys
 import time
 
 import psutil
@@ -205,7 +206,10 @@ def test_a_ranks_tree_is_read_from_proc_and_signalled_whole():
     from nblaunch.engines.procs import signal_trees
     from nblaunch.resources import tree_of
 
-    rank = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"])
+    # A parent that outlives its children (bash's `wait` would return, and
+    # bash exit 0, if its children's SIGKILL landed before its own).
+    rank = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                             "kids = [subprocess.Popen(['sleep', '30']) for _ in range(2)]\ntime.sleep(30)"])
     try:
         deadline = time.monotonic() + 10
         while len(tree_of(rank.pid)) < 3 and time.monotonic() < deadline:

@@ -187,8 +187,11 @@ def starting_ranks(method: str):
 
 
 def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if "torch" not in sys.modules:
+        return False
+    import torch  # waits if another thread is still importing it
+
+    return bool(torch.cuda.is_initialized())
 
 
 def _resolve_backend(backend: str, num_processes: int, gpus: Optional[int] = None) -> str:

@@ -87,9 +87,16 @@ class _DryRunPickler(cloudpickle.Pickler):
 
 
 def _torch():
+    """torch if it is imported, else None (never imported here). Another
+    thread may be importing it (a background run's plan): ``import`` then
+    waits for it, where ``sys.modules`` would hand over a half-made module."""
     import sys
 
-    return sys.modules.get("torch")
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    return torch
 
 
 class CloudJob:
