@@ -49,6 +49,15 @@ def launch_processes(pid: int) -> list[int]:
             if "forkserver" not in cmdline(p) and "resource_tracker" not in cmdline(p)]
 
 
+def wait_for_file(path: str, limit: float = 120.0) -> None:
+    """Until ``path`` exists (a rank's or a run's sign); ``TimeoutError`` after ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.02)
+
+
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` runs; return the ones still running."""
     deadline = time.monotonic() + timeout

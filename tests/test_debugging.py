@@ -257,13 +257,13 @@ def test_nblaunch_debug_opens_any_failed_rank_and_live_ranks_too(kernel):
     assert s.error["ename"] == "ValueError" and "rank 5 did not fail" in s.shown
 
 
-SCRIPT = (LAUNCH +
-          "def train():\n"
-          "    secret = 40 + dist.get_rank()\n"
-          "    if dist.get_rank() == 1:\n"
-          "        breakpoint()\n"
-          "    dist.all_reduce(torch.ones(1))\n"
-          "    return secret\n"
+BREAKS_ON_1 = ("def train():\n"
+               "    secret = 40 + dist.get_rank()\n"
+               "    if dist.get_rank() == 1:\n"
+               "        breakpoint()\n"
+               "    dist.all_reduce(torch.ones(1))\n"
+               "    return secret\n")
+SCRIPT = (LAUNCH + BREAKS_ON_1 +
           "if __name__ == '__main__':\n"
           "    print('RESULT', notebook_launcher(train, num_processes=2, display='text'))\n")
 
@@ -339,14 +339,7 @@ def test_in_jupyterlab_the_prompt_is_the_cells_input_box(tmp_path):
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
-        LAUNCH +
-        "def train():\n"
-        "    secret = 40 + dist.get_rank()\n"
-        "    if dist.get_rank() == 1:\n"
-        "        breakpoint()\n"
-        "    dist.all_reduce(torch.ones(1))\n"
-        "    return secret\n"
-        "print('results:', notebook_launcher(train, num_processes=2))\n")]
+        LAUNCH + BREAKS_ON_1 + "print('results:', notebook_launcher(train, num_processes=2))\n")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, tmp_path / "debug.ipynb")
     with _serve(tmp_path, "jupyterlab") as open_notebook:

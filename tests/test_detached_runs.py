@@ -13,18 +13,10 @@ import psutil
 import pytest
 
 import nblaunch
-from conftest import Kernel, wait_gone, widget_html
+from conftest import wait_for_file, Kernel, wait_gone, widget_html
 from nblaunch import RunStopped
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _wait_for(path: str, limit: float = 120.0) -> None:
-    deadline = time.monotonic() + limit
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(path)
-        time.sleep(0.02)
 
 
 def stepping(gate: str, steps: int):
@@ -32,7 +24,7 @@ def stepping(gate: str, steps: int):
 
     with open(f"{gate}.{os.environ['RANK']}.pid", "w") as f:
         f.write(str(os.getpid()))
-    _wait_for(gate)
+    wait_for_file(gate)
     for step in nblaunch.progress(range(steps), desc="train"):
         nblaunch.log(loss=1.0 / (step + 1))
         print("step", step, flush=True)
@@ -73,7 +65,7 @@ def test_stop_ends_a_detached_run_and_its_ranks(runs_dir, tmp_path):
     gate = str(tmp_path / "never")
     run = nblaunch.submit(stepping, args=(gate, 1), num_processes=2, display="none", detach=True)
     for rank in range(2):
-        _wait_for(f"{gate}.{rank}.pid")
+        wait_for_file(f"{gate}.{rank}.pid")
     ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
     run.stop()
     assert run.status == "stopped"
@@ -105,7 +97,7 @@ def test_a_run_outlives_its_killed_kernel_and_another_kernel_attaches(runs_dir, 
         assert r.error is None, r.error
         run_id = r.stdout.split("RUN ")[1].split()[0]
         for rank in range(2):
-            _wait_for(f"{gate}.{rank}.pid")
+            wait_for_file(f"{gate}.{rank}.pid")
         ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
         supervisor = _supervisor(runs_dir / run_id)
         group = os.getpgid(a.pid)
@@ -162,7 +154,7 @@ def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(runs_dir, tmp_p
     gate = str(tmp_path / "never")
     run = nblaunch.submit(stepping, args=(gate, 1), num_processes=2, display="none", detach=True)
     for rank in range(2):
-        _wait_for(f"{gate}.{rank}.pid")
+        wait_for_file(f"{gate}.{rank}.pid")
     ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
     os.kill(_supervisor(run.run_dir), signal.SIGKILL)
     with pytest.raises(nblaunch.LaunchError, match="ended without an outcome"):

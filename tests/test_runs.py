@@ -10,25 +10,17 @@ import psutil
 import pytest
 
 import nblaunch
-from conftest import wait_gone
+from conftest import wait_for_file, wait_gone
 from nblaunch import RunStopped, WorkerError
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _wait_for(path: str, limit: float = 120.0) -> None:
-    deadline = time.monotonic() + limit
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(path)
-        time.sleep(0.02)
 
 
 def gated(gate: str):
     """Each rank waits until ``gate`` exists, then returns what it ran on."""
     import torch.distributed as dist
 
-    _wait_for(gate)
+    wait_for_file(gate)
     dist.barrier()
     return [dist.get_rank(), os.environ["MASTER_PORT"], os.getpgid(0)]
 
@@ -38,7 +30,7 @@ def meet(mine: str, theirs: str):
     it can only return if both runs train at the same time."""
     open(f"{mine}.{os.environ['RANK']}", "w").close()
     for rank in range(2):
-        _wait_for(f"{theirs}.{rank}")
+        wait_for_file(f"{theirs}.{rank}")
     return os.environ["RANK"]
 
 
@@ -122,7 +114,7 @@ def test_stop_ends_every_rank_and_what_it_started(tmp_path):
     pid_file = str(tmp_path / "pids")
     run = nblaunch.submit(forever, args=(pid_file,), num_processes=2, display="none")
     for rank in range(2):
-        _wait_for(f"{pid_file}.{rank}")
+        wait_for_file(f"{pid_file}.{rank}")
     pids = [int(p) for rank in range(2) for p in open(f"{pid_file}.{rank}").read().split()]
     assert all(psutil.pid_exists(p) for p in pids)
     run.stop()
