@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import threading
@@ -47,6 +48,7 @@ sys.path.insert(0, str(HERE))
 from run import BenchKernel  # noqa: E402
 
 RESULT = HERE / "results" / "scale.json"
+STOPS = HERE / "results" / "scale_stops.json"  # --stops-only
 PLOT = HERE.parent / "docs" / "scale.png"
 
 SETUP = r'''
@@ -85,6 +87,28 @@ def run_fail(n, after):
         raised = float(str(e).split("failed on purpose at ")[1].split()[0].rstrip("'\"),."))
         return seen - raised
     raise AssertionError("no failure")
+
+def os_floor(n):
+    """What the operating system needs to end ``n`` copies of this kernel:
+    fork them (each sleeps), SIGKILL every one at once, seconds until all
+    are reaped. A forked rank is such a copy, and its teardown (its share of
+    the kernel's pages) is most of what a stop of many ranks waits for."""
+    pids = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(600)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    time.sleep(1.0)
+    t = time.time()
+    for pid in pids:
+        os.kill(pid, 9)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return time.time() - t
 
 def _pg_step():
     if not dist.is_initialized():
@@ -172,6 +196,33 @@ def measure_report(kernel: BenchKernel, n: int, seconds: float, hz: float) -> di
             "rss_per_rank_kib": (peak - rss0) / n / 1024}
 
 
+def measure_fail(kernel: BenchKernel, n: int) -> dict:
+    """One rank raises: seconds from its raise to the failure named in the
+    cell's output (the first message that names it: the view's notice, or
+    the error) and to the ``WorkerError``."""
+    named: list = []
+
+    def hook(msg):
+        text = json.dumps(msg["content"])
+        if not named and "failed on purpose at " in text:
+            named.append((time.time(), text))
+
+    out: list = []
+
+    def keep(msg):
+        hook(msg)
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+
+    kernel.kc.execute_interactive(f"print('SECONDS', run_fail({n}, 1.0))", output_hook=keep, timeout=300)
+    verdict = float("".join(out).split("SECONDS ", 1)[1].split()[0])
+    if not named:  # nothing named it before the error (which the cell catches)
+        return {"named_s": verdict, "verdict_s": verdict}
+    seen, text = named[0]
+    raised = float(re.search(r"failed on purpose at ([0-9.]+[0-9])", text).group(1))
+    return {"named_s": seen - raised, "verdict_s": verdict}
+
+
 def measure_stop(kernel: BenchKernel, n: int) -> dict:
     """Interrupt the kernel while ``n`` ranks report: until none is left, and until the cell returned."""
     pid = kernel.km.provisioner.process.pid
@@ -213,24 +264,30 @@ def median(values: list) -> float:
     return statistics.median(values) if values else None
 
 
-def run(sizes: list[int], reps: int, secs: float, hz: float, pg_max: int) -> dict:
+def run(sizes: list[int], reps: int, secs: float, hz: float, pg_max: int, report: bool = True) -> dict:
     kernel = BenchKernel()
     results: dict = {"machine_before": machine(), "seconds": secs, "hz": hz, "reps": reps, "sizes": {}}
     try:
         kernel.run(SETUP)
         kernel.run("nblaunch.notebook_launcher(_report, (0.5, 10), num_processes=2, init_process_group=False)")
         for n in sizes:
-            rows: dict = {"report": [], "fail_s": [], "stop": [], "pg_nblaunch_s": [], "pg_torch_fork_s": []}
+            rows: dict = {"report": [], "fail": [], "stop": [], "os_floor_s": [], "pg_nblaunch_s": [],
+                          "pg_torch_fork_s": []}
             for rep in range(reps):
                 print(f"{n} ranks, repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
-                rows["report"].append(measure_report(kernel, n, secs, hz))
-                rows["fail_s"].append(seconds(kernel, f"run_fail({n}, 1.0)"))
+                if report:
+                    rows["report"].append(measure_report(kernel, n, secs, hz))
+                # Each against what the system needs to end n copies of the kernel, measured next to it.
+                rows["fail"].append(measure_fail(kernel, n))
+                rows["os_floor_s"].append(seconds(kernel, f"os_floor({n})"))
                 rows["stop"].append(measure_stop(kernel, n))
                 if n <= pg_max:
                     rows["pg_nblaunch_s"].append(seconds(kernel, f"first_step_nblaunch({n})"))
                     rows["pg_torch_fork_s"].append(seconds(kernel, f"first_step_torch_fork({n})"))
-            summary = {key: median([r[key] for r in rows["report"]]) for key in rows["report"][0]}
-            summary.update(fail_verdict_s=median(rows["fail_s"]),
+            summary = {key: median([r[key] for r in rows["report"]]) for key in rows["report"][0]} if report else {}
+            summary.update(fail_named_s=median([f["named_s"] for f in rows["fail"]]),
+                           fail_verdict_s=median([f["verdict_s"] for f in rows["fail"]]),
+                           os_floor_s=median(rows["os_floor_s"]),
                            stop_gone_s=median([s["gone_s"] for s in rows["stop"]]),
                            stop_returned_s=median([s["returned_s"] for s in rows["stop"]]),
                            stop_left=sum(len(s["left"]) for s in rows["stop"]))
@@ -378,21 +435,26 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--hz", type=float, default=10.0)
     parser.add_argument("--pg-max", type=int, default=32, help="largest N timed with a gloo process group")
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--out", default=None, help=f"default: {RESULT} ({STOPS} with --stops-only)")
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--stops-only", action="store_true",
+                        help="only failure, stop and the system's floor (no reporting, no process group)")
     parser.add_argument("--replay", type=int, default=1024, help="ranks of the replayed cluster run (0: none)")
     opts = parser.parse_args()
+    opts.out = opts.out or str(STOPS if opts.stops_only else RESULT)
     if opts.plot_only:
         plot(json.loads(Path(opts.out).read_text()))
         return
-    results = run([int(n) for n in opts.sizes.split(",")], opts.reps, opts.seconds, opts.hz, opts.pg_max)
-    if len(results["sizes"]) > 1:
+    results = run([int(n) for n in opts.sizes.split(",")], opts.reps, opts.seconds, opts.hz,
+                  0 if opts.stops_only else opts.pg_max, report=not opts.stops_only)
+    if len(results["sizes"]) > 1 and not opts.stops_only:
         results["fit"] = fit(results)
-    if opts.replay:
+    if opts.replay and not opts.stops_only:
         results["replay"] = replay_cluster(opts.replay)
     Path(opts.out).write_text(json.dumps(results, indent=1))
     try:
-        plot(results)
+        if not opts.stops_only:
+            plot(results)
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(json.dumps({n: r["median"] for n, r in results["sizes"].items()}, indent=1))

@@ -45,6 +45,10 @@ STOP_GRACE_S = 0.25  # SIGTERM -> SIGKILL; a rank blocked in a collective only d
 # like one of the stopped; the verdict waits this long for it.
 CONSEQUENCE_HOLD_S = 0.2
 TICK_S = 0.1
+# Above this many ranks, stopping the rest takes the operating system
+# seconds (tearing down hundreds of processes on a few cores): the view
+# names the failure at once, and the error follows once every rank is gone.
+NAME_AT_ONCE_ABOVE = 16
 _NO_RESULT = object()
 
 
@@ -258,10 +262,17 @@ class CallWatch:
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + CONSEQUENCE_HOLD_S
             return
+        self._name_at_once(failure)
         self._publish(failure)
         self._end_elsewhere()
 
     # -- steps live ranks do otherwise (live_watch.LiveCallWatch) -----------------
+
+    def _name_at_once(self, failure: RankFailure) -> None:
+        """The failure that stops a launch of many ranks is named before
+        they are stopped: the error itself waits until every rank is gone."""
+        if self._stop_deadline is None and self._pool.size > NAME_AT_ONCE_ABOVE:
+            self._view.notice(f"{failure.summary()}; stopping the other ranks (the error follows once they are gone)")
 
     def _left_behind(self, failure: RankFailure) -> None:
         """A rank left its peers waiting in a collective: a launch stops them all anyway."""

@@ -26,7 +26,8 @@ from .output import RankOutput
 from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
-from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_tree, signal_trees, write_atomically
+from .pidfds import open_pidfd
+from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_trees, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
@@ -45,6 +46,7 @@ class _Proc(RankFacts):
     # Every process of its tree nblaunch has seen: a child that outlives
     # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
     tree: dict = field(default_factory=dict)
+    pidfd: Optional[int] = None  # the rank's very process, once signalled (engines/pidfds.py)
 
 
 class LocalPool(RankPool):
@@ -211,10 +213,15 @@ class LocalPool(RankPool):
 
     def signal(self, sig: int, ranks: list[int]) -> None:
         # exitcode reaps a rank that died on its own: its death is its own failure.
-        signal_trees([(p.proc.pid, p.tree) for p in (self._procs[r] for r in ranks)
+        signal_trees([(p.proc.pid, p.tree, self._pidfd(p)) for p in (self._procs[r] for r in ranks)
                       if not (p.exited or p.proc.pid is None or p.proc.exitcode is not None)], sig)
         if sig == signal.SIGKILL:
             self._kill_orphans()
+
+    def _pidfd(self, p: _Proc) -> Optional[int]:
+        if p.pidfd is None:
+            p.pidfd = open_pidfd(p.proc.pid, lambda: p.proc.exitcode is None)
+        return p.pidfd
 
     def _kill_orphans(self) -> None:
         """What a killed rank left behind (children that outlived SIGTERM)."""
@@ -292,7 +299,7 @@ class LocalPool(RankPool):
                 self._starter.wedged()
         for p in self._procs:
             if p.proc.pid is not None and p.proc.exitcode is None:
-                signal_tree(p.proc.pid, signal.SIGKILL, p.tree)
+                signal_trees([(p.proc.pid, p.tree, self._pidfd(p))], signal.SIGKILL)
                 p.proc.join(TEARDOWN_WAIT_S)
         self._kill_orphans()
         for p in self._procs:
@@ -317,6 +324,9 @@ class LocalPool(RankPool):
         for p in self._procs:
             if p.proc is not None and p.proc.pid is not None and p.proc.exitcode is not None:
                 p.proc.close()  # its sentinel pipe; a traceback kept by IPython would hold it
+            if p.pidfd is not None:
+                os.close(p.pidfd)
+                p.pidfd = None
             p.go.close()
             p.events.conn.close()
             p.output.close()

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import psutil
 
 from ..resources import tree_of
+from . import pidfds
 
 __all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "signal_trees", "write_atomically", "is_running"]
 
@@ -114,15 +115,26 @@ def signal_tree(pid: int, sig: int, seen: Optional[dict] = None) -> None:
 
 
 def signal_trees(ranks: list[tuple], sig: int) -> None:
-    """Signal ranks (``(pid, seen)`` each, as ``signal_tree``) and every
-    process they started: every tree is read first, then every process
-    signalled, children before their rank, the ranks in the order given.
-    Once the first rank is signalled, the dying compete with the kernel for
-    the CPUs; reading /proc between signals then took 10 ms a rank."""
-    doomed = []
-    for pid, seen in ranks:
+    """Signal ranks (``(pid, seen)`` or ``(pid, seen, pidfd)`` each, as
+    ``signal_tree``) and every process they started: every tree is read
+    first, then every process signalled, children before their rank, the
+    ranks in the order given. A rank with a pidfd (:mod:`.pidfds`) is
+    signalled through it (and left out of ``seen``), and not at all once it
+    has ended: its tree is not read again. Once the first rank is
+    signalled, the dying compete with the kernel for the CPUs: nothing is
+    read between signals."""
+    fds = [entry[2] for entry in ranks if len(entry) > 2 and entry[2] is not None]
+    over = pidfds.ended(fds)
+    doomed: list = []  # psutil.Process, or a pidfd
+    for entry in ranks:
+        pid, seen, fd = entry if len(entry) > 2 else (*entry, None)
+        if fd is not None and fd in over:
+            continue
         # Not psutil's children(): it reads every process on the machine, for each rank.
         for member in reversed(tree_of(pid)):
+            if member == pid and fd is not None:
+                doomed.append(fd)
+                continue
             try:
                 proc = psutil.Process(member)
             except psutil.Error:
@@ -130,15 +142,12 @@ def signal_trees(ranks: list[tuple], sig: int) -> None:
             if seen is not None:
                 proc = seen.setdefault(member, proc)
             doomed.append(proc)
-    ending = sig in (signal.SIGTERM, signal.SIGKILL)
-    for proc in doomed:
+    for target in doomed:
+        if isinstance(target, int):
+            pidfds.send(target, sig)
+            continue
         try:
-            if ending:
-                # Hundreds of ranks exiting at once would take the CPUs from
-                # the kernel, which must still kill them after the grace and
-                # give the verdict: the dying go last.
-                os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
-            os.kill(proc.pid, sig)  # named a moment ago by psutil: the same process
+            os.kill(target.pid, sig)  # named a moment ago by psutil: the same process
         except OSError:
             pass
 
