@@ -61,9 +61,6 @@ class LiveCallWatch(CallWatch):
     def _publish(self, failure: RankFailure) -> None:
         """Live ranks span no other kernel's nodes."""
 
-    def _name_at_once(self, failure: RankFailure) -> None:
-        """Live ranks are interrupted, not torn down: the error follows at once."""
-
     def _end_elsewhere(self) -> None:
         """A rank failed: interrupt the others' calls (while setting up, call 0, they are given up)."""
         if self.call > 0 and not self.broken:

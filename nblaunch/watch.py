@@ -249,9 +249,7 @@ class CallWatch:
         self._parts[rank].failure = failure
         self._desk.gone(rank)
         self._view.rank_status(rank, failure.row)
-        if failure.kind in errors.NBLAUNCH_ENDED:
-            return
-        if failure.kind == "interrupted":
+        if failure.kind in errors.NBLAUNCH_ENDED or failure.kind == "interrupted":
             return
         if failure.kind == "left":
             self._left_behind(failure)
@@ -262,22 +260,17 @@ class CallWatch:
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + CONSEQUENCE_HOLD_S
             return
-        self._name_at_once(failure)
         self._publish(failure)
         self._end_elsewhere()
 
     # -- steps live ranks do otherwise (live_watch.LiveCallWatch) -----------------
 
-    def _name_at_once(self, failure: RankFailure) -> None:
-        """The failure that stops a launch of many ranks is named before
-        they are stopped: the error itself waits until every rank is gone."""
-        if self._stop_deadline is None and self._pool.size > NAME_AT_ONCE_ABOVE:
-            self._view.notice(f"{failure.summary()}; stopping the other ranks (the error follows once they are gone)")
-
     def _left_behind(self, failure: RankFailure) -> None:
         """A rank left its peers waiting in a collective: a launch stops them all anyway."""
 
     def _publish(self, failure: RankFailure) -> None:
+        if self._stop_deadline is None and self._pool.size > NAME_AT_ONCE_ABOVE:  # the user, at once
+            self._view.notice(f"{failure.summary()}; stopping the other ranks (the error follows once they are gone)")
         self._pool.publish(failure)  # the other nodes stop within a poll
 
     def _on_stopping(self, rank: int, event: Stopping) -> None:

@@ -26,7 +26,7 @@ from .output import RankOutput
 from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
-from .pidfds import open_pidfd
+from .pidfds import open_pidfd, wait as wait_pidfds
 from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_trees, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
@@ -283,11 +283,15 @@ class LocalPool(RankPool):
     # -- ending ------------------------------------------------------------------
 
     def wait(self, timeout: float) -> bool:
+        """Ranks signalled (named by pidfds) in one poll; any other one by its sentinel."""
         deadline = time.monotonic() + timeout
+        named = [p for p in self._procs if p.pidfd is not None]
+        ended = wait_pidfds([p.pidfd for p in named], timeout)
         for p in self._procs:
-            if p.proc.pid is not None:
+            if p.proc.pid is not None and p.pidfd is None:
                 p.proc.join(max(0.0, deadline - time.monotonic()))
-        return all(p.proc.pid is None or p.proc.exitcode is not None for p in self._procs)
+        others = all(p.proc.pid is None or p.pidfd is not None or p.proc.exitcode is not None for p in self._procs)
+        return ended and others
 
     def drain(self) -> list[PoolEvent]:
         """Once every rank is stopped: what they printed last (to their logs,

@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
 from typing import Callable, Optional
 
-__all__ = ["open_pidfd", "ended", "send"]
+_PF_EXITING = 0x4  # include/linux/sched.h
+
+__all__ = ["open_pidfd", "ended", "wait", "send", "exiting"]
 
 
 def open_pidfd(pid: int, still_ours: Callable[[], bool]) -> Optional[int]:
@@ -46,6 +49,37 @@ def ended(fds: list[int]) -> set[int]:
     for fd in fds:
         poller.register(fd, select.POLLIN)
     return {fd for fd, _ in poller.poll(0)}
+
+
+def wait(fds: list[int], timeout: float) -> bool:
+    """Until every process of ``fds`` has ended (True) or ``timeout``
+    passed: one ``poll`` per wake, whatever the number of processes."""
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    left = set(fds)
+    for fd in left:
+        poller.register(fd, select.POLLIN)
+    while left:
+        wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        for fd, _ in poller.poll(wait_ms):
+            poller.unregister(fd)
+            left.discard(fd)
+        if wait_ms == 0:
+            break
+    return not left
+
+
+def exiting(pid: int) -> bool:
+    """Whether ``pid`` has begun to exit (Linux's ``PF_EXITING``, in the
+    flags of /proc/PID/stat): it can start nothing any more, so what it
+    started need not be looked for again. Asked only of a process whose
+    pidfd has not ended, so ``pid`` still names it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return bool(int(stat[stat.rindex(b")") + 2:].split()[6]) & _PF_EXITING)
 
 
 def send(fd: int, sig: int) -> None:

@@ -120,7 +120,7 @@ def signal_trees(ranks: list[tuple], sig: int) -> None:
     first, then every process signalled, children before their rank, the
     ranks in the order given. A rank with a pidfd (:mod:`.pidfds`) is
     signalled through it (and left out of ``seen``), and not at all once it
-    has ended: its tree is not read again. Once the first rank is
+    has ended; a SIGKILL does not read again the tree of one already exiting. Once the first rank is
     signalled, the dying compete with the kernel for the CPUs: nothing is
     read between signals."""
     fds = [entry[2] for entry in ranks if len(entry) > 2 and entry[2] is not None]
@@ -129,6 +129,11 @@ def signal_trees(ranks: list[tuple], sig: int) -> None:
     for entry in ranks:
         pid, seen, fd = entry if len(entry) > 2 else (*entry, None)
         if fd is not None and fd in over:
+            continue
+        if fd is not None and sig == signal.SIGKILL and pidfds.exiting(pid):
+            # Dying already (of the SIGTERM, most often): it starts nothing
+            # more, and what it started was seen when it was signalled.
+            doomed.append(fd)
             continue
         # Not psutil's children(): it reads every process on the machine, for each rank.
         for member in reversed(tree_of(pid)):

@@ -81,6 +81,7 @@ class View:
         ``MAX_BYTES_PER_S`` sustained over all ranks, with a burst allowance;
         the rest are counted and named in a notice (the log files keep them)."""
         self.state.tail.extend(f"[rank {rank}] {ansi.strip(clip(line))}" for line in lines[-LOG_TAIL:])
+        self.state.rank_output(rank, lines)
         self._lines.refill()
         self._bytes.refill()
         shown = []

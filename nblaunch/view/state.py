@@ -25,6 +25,7 @@ AGGREGATE_ABOVE = MANY_ABOVE
 MANY_POINTS = 100  # per rank and metric above MANY_ABOVE ranks: the band holds the run (view/many.py)
 STILL_AFTER_S = 10.0  # a running rank's row says how long since its last step after this long
 TEXT_TAIL_LINES = 20  # of the ranks' output, what the final text/plain keeps
+RANK_TAIL = 48  # each rank's last lines, for the view's pages by rank (view/by_rank.py)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class LaunchState:
         self.bands: dict[str, StepBands] = {}  # above MANY_ABOVE ranks: each metric's median and band
         self.stragglers = StragglerWatch()
         self.tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
+        self.rank_tail: dict[int, collections.deque] = {}  # rank (in the job) -> its last lines
         self.notices: list[str] = []
         self.changed = True
 
@@ -204,6 +206,14 @@ class LaunchState:
             if r.status in ("starting", "running") or r.status.startswith(("paused:", "waiting:")):
                 r.status = ended
         self.changed = True
+
+    def rank_output(self, rank: int, lines: list[str]) -> None:
+        """Lines rank ``rank`` (its number in the job) wrote, all of them,
+        whatever the view shows at once: each rank keeps its last ``RANK_TAIL``."""
+        tail = self.rank_tail.get(rank)
+        if tail is None:
+            tail = self.rank_tail[rank] = collections.deque(maxlen=RANK_TAIL)
+        tail.extend(clip(line) for line in lines[-RANK_TAIL:])
 
     def resources(self, usage: dict) -> None:
         """``local rank -> resources.Usage``, from the call watch's sampler."""

@@ -8,6 +8,7 @@ from typing import Optional
 
 from . import ansi
 from .base import View
+from .by_rank import ByRank, static_pages
 from .html import PALETTE, PART, STATE_COLOR, bar_row, fraction, svg_chart
 from .many_html import many_rows, stragglers_note
 from .state import MAX_PAGES, MAX_RATE, PAGE_LINES, TEXT_TAIL_LINES, clip
@@ -90,7 +91,8 @@ class WidgetDisplay(View):
         self.header, self.rows, self.chart, self.live, self.footer = (w.HTML() for _ in range(5))
         self.pane = w.VBox([self.live], layout=w.Layout(
             flex_flow="column-reverse", max_height="22em", overflow="auto"))
-        self.box = w.VBox([self.header, self.rows, self.chart, self.pane, self.footer])
+        self.by_rank = ByRank(w, self.state, self.pane)  # the pane, or one rank's output and detail
+        self.box = w.VBox([self.header, self.rows, self.chart, self.by_rank.box, self.footer])
         self.state.changed = True
         self._draw()
 
@@ -162,7 +164,7 @@ class WidgetDisplay(View):
         pane = "".join(p.value for p in self._pages)
         return ("<div class='nblaunch-view'>" + self.header.value + self.rows.value + self.chart.value
                 + "<div style='max-height:22em;overflow:auto;display:flex;flex-direction:column-reverse'>"
-                + f"<div>{pane}</div></div>" + self.footer.value + "</div>")
+                + f"<div>{pane}</div></div>" + static_pages(self.state) + self.footer.value + "</div>")
 
     def static_text(self) -> str:
         st = self.state
@@ -187,7 +189,8 @@ class WidgetDisplay(View):
             self._close_widgets()
 
     def _close_widgets(self) -> None:
-        widgets = [self.box, self.header, self.rows, self.chart, self.pane, self.live, self.footer, *self._pages]
+        widgets = [*self.by_rank.widgets(), self.box, self.header, self.rows, self.chart, self.pane, self.live,
+                   self.footer, *self._pages]
         for widget in widgets:
             for part in (getattr(widget, "layout", None), getattr(widget, "style", None), widget):
                 if part is not None and getattr(part, "comm", None) is not None:
@@ -205,6 +208,7 @@ class WidgetDisplay(View):
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
             + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
         self._draw_log()
+        self.by_rank.draw(force or st.state not in ("starting", "running"))
         if not st.changed:
             return
         if (st.many and not force and st.state in ("starting", "running")
@@ -262,7 +266,8 @@ class _Static:
         self.children = list(children)
 
 
-_Static.HTML = _Static.VBox = _Static.Layout = _Static
+_Static.HTML = _Static.VBox = _Static.Layout = _Static.Dropdown = _Static.Stack = _Static
+_Static.jslink = staticmethod(lambda *_: None)
 
 
 _PAGE_OPEN = "<pre class='nblaunch-log' style='margin:0;font-size:85%;white-space:pre-wrap;word-break:break-all'>"
