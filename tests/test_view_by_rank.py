@@ -25,7 +25,7 @@ def test_eight_ranks_a_page_each_picked_in_the_browser_alone():
     for r in range(8):
         view.rank_lines(r, [f"rank {r} says step {i}" for i in range(3)])
     view.progress(Progress(3, 1, "train", 5, 10, False, 1.0))
-    view.tick(force=True)
+    view.by_rank.draw(force=True)  # as it is every PAGE_EVERY_S
     pick, stack = view.by_rank.pick, view.by_rank.stack
     assert pick.options == ("every rank",) + tuple(f"rank {r}" for r in range(8))
     assert stack.children[0] is view.pane and stack.selected_index == 0  # the whole pane first
@@ -47,7 +47,7 @@ def test_eight_ranks_a_page_each_picked_in_the_browser_alone():
 def test_a_rank_keeps_its_last_lines_even_those_the_pane_had_no_room_for():
     view = _view(2)
     view.rank_lines(0, [f"line {i}" for i in range(5000)])  # over the pane's rate: most are not shown there
-    view.tick(force=True)
+    view.by_rank.draw(force=True)
     assert list(view.state.rank_tail[0]) == [f"line {i}" for i in range(5000 - RANK_TAIL, 5000)]
     assert "line 4999" in view.by_rank.pages[0].value
 
@@ -56,7 +56,7 @@ def test_1024_ranks_pages_are_groups_bounded_by_the_screen():
     view = _view(1024, hosts=[f"node{r // 8}" for r in range(1024)])
     for r in range(1024):
         view.rank_lines(r, [f"r{r} line {i} " + "x" * 80 for i in range(RANK_TAIL)])
-    view.tick(force=True)
+    view.by_rank.draw(force=True)
     labels = view.by_rank.pick.options
     assert len(labels) == 1 + MAX_PAGES and labels[1] == "ranks 0-63" and labels[-1] == "ranks 960-1023"
     page = view.by_rank.pages[1].value  # ranks 64-127: each one's detail and its last lines
@@ -64,11 +64,10 @@ def test_1024_ranks_pages_are_groups_bounded_by_the_screen():
     assert f"r100 line {RANK_TAIL - 3} " not in page  # 2 lines each, where 64 ranks share a page
     assert all(len(p.value) < 40_000 for p in view.by_rank.pages)
 
-    # Redrawn at most every PAGE_EVERY_S, whatever the ranks write.
-    view.by_rank._drawn_at -= PAGE_EVERY_S / 2
+    # Redrawn at most every PAGE_EVERY_S, whatever the ranks write (or a redraw the view forces).
     view.rank_lines(100, ["a newer line"])
     view.tick(force=False)
     assert "a newer line" not in view.by_rank.pages[1].value
     assert "a newer line" in page_html(view.state, view.by_rank.groups[1])
-    view.tick(force=True)
+    view.by_rank.draw(force=True)
     assert "a newer line" in view.by_rank.pages[1].value

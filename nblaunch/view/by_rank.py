@@ -10,7 +10,8 @@ then one page per rank up to ``MAX_PAGES`` ranks, else one per group of
 consecutive ranks (at most ``MAX_PAGES``: 64 ranks each at 1,024). A page
 gives each of its ranks its detail (where it runs, its bars, rate,
 metrics, memory, its log file) and its last lines. Pages are redrawn at
-most every ``PAGE_EVERY_S``: what they cost the kernel and the browser's
+most every ``PAGE_EVERY_S``, and at most ``PAGE_BYTES_PER_S`` on average
+(every 7 s at 1,024 ranks): what they cost the kernel and the browser's
 channel is bounded by the screen, not the world. The saved view keeps the
 same pages as ``<details>``, opened one at a time.
 """
@@ -25,7 +26,8 @@ from .html import MONO, STATE_COLOR
 __all__ = ["ByRank", "groups", "page_label", "page_html", "static_pages", "MAX_PAGES", "PAGE_EVERY_S"]
 
 MAX_PAGES = 16  # pages after the whole pane: one per rank up to this many ranks
-PAGE_EVERY_S = 2.0
+PAGE_EVERY_S = 2.0  # at most this often ...
+PAGE_BYTES_PER_S = 32 << 10  # ... and at most this much a second, on average, to the browser
 PAGE_LINES = 48  # of a page's output, shared by its ranks (at least 2 lines each)
 EVERY_RANK = "every rank"
 
@@ -47,15 +49,15 @@ def page_label(st, group: range) -> str:
 
 def rank_detail(st, i: int) -> str:
     """What the view knows of local rank ``i``, in one line: its name and
-    machine, status, bars, rate, metrics, memory, and where its full output is."""
-    log = f"{st.log_dir}/rank{st.label(i)}.log" if st.log_dir else ""
-    return st.ranks[i].line(st.row_name(i)) + (f" \u00b7 log {log}" if log else "")
+    machine, status, bars, rate, metrics, memory."""
+    return st.ranks[i].line(st.row_name(i))
 
 
 def page_html(st, group: range) -> str:
     """The page of ``group``: each rank's detail, then its last lines."""
     each = max(2, PAGE_LINES // len(group))
-    parts = []
+    where = f"{st.log_dir}/rank{st.label(group[0])}.log" if len(group) == 1 else f"{st.log_dir}/rank<N>.log"
+    parts = [f"<div style='{MONO};opacity:0.75'>full output: {html.escape(where)}</div>"] if st.log_dir else []
     for i in group:
         r = st.ranks[i]
         color = STATE_COLOR.get(r.status, "#1565c0")
@@ -95,18 +97,20 @@ class ByRank:
         self.stack = w.Stack([every, *self.pages], selected_index=0)
         self.link = w.jslink((self.pick, "index"), (self.stack, "selected_index"))
         self.box = w.VBox([self.pick, self.stack])
-        self._drawn_at = 0.0
+        self._next_at = 0.0  # the next redraw, unless forced
 
     def draw(self, force: bool = False) -> None:
         """Redraw the pages (at most every ``PAGE_EVERY_S``, unless ``force``)."""
         now = time.monotonic()
-        if not force and now - self._drawn_at < PAGE_EVERY_S:
+        if not force and now < self._next_at:
             return
-        self._drawn_at = now
+        sent = 0
         for page, group in zip(self.pages, self.groups):
             text = page_html(self._st, group)
             if page.value != text:
                 page.value = text
+                sent += len(text)
+        self._next_at = now + max(PAGE_EVERY_S, sent / PAGE_BYTES_PER_S)
 
     def widgets(self) -> list:
         """Every widget it made (to close), the link first."""

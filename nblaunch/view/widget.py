@@ -208,7 +208,7 @@ class WidgetDisplay(View):
             f"{st.method}, {st.backend or 'no process group'}, {st.elapsed():.1f} s"
             + "".join(f"<pre style='color:#ef6c00;margin:2px 0'>{html.escape(n)}</pre>" for n in st.notices[-3:]))
         self._draw_log()
-        self.by_rank.draw(force or st.state not in ("starting", "running"))
+        self.by_rank.draw(st.state not in ("starting", "running"))  # at its own rate until the end
         if not st.changed:
             return
         if (st.many and not force and st.state in ("starting", "running")
