@@ -16,8 +16,13 @@ notebook user would run it:
   kernel, alternating;
 - **failure verdict**: one rank raises after 1 s of reporting; seconds from
   its raise (the rank's clock) to the ``WorkerError`` in the cell;
+- **failure named**: from the raise to the first message in the cell that
+  names it (above 16 ranks the view's notice, before the others are stopped);
 - **stop**: the kernel is interrupted while the ranks report; seconds until
-  no rank process is left, and until the cell has returned.
+  no rank process is left, and until the cell has returned;
+- **the system's floor**: the kernel forks N copies of itself that sleep,
+  SIGKILLs them all at once and reaps them: what the operating system needs
+  to end N ranks, measured between the failure and the stop.
 
 The ranks run without a process group where the group is not what is
 measured (``init_process_group=False``): a gloo group of 128+ ranks on two
@@ -25,7 +30,8 @@ cores measures gloo's rendezvous, not the hub.
 
     python bench/scale.py                       # 8..128 ranks, 3 repetitions (about 15 min on 2 cores)
     python bench/scale.py --sizes 8,16 --reps 1 --seconds 4    # a quick look
-    python bench/scale.py --plot-only           # redraw docs/scale.png from bench/results/scale.json
+    python bench/scale.py --stops-only --sizes 64,128,256   # failure and stop only, with the system's floor
+    python bench/scale.py --plot-only           # redraw docs/scale.png from bench/results/scale*.json
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
@@ -383,7 +390,7 @@ def replay_cluster(world: int = 1024, per_node: int = 8, seconds: int = 10, hz: 
             "kernel_cpu_share": cpu / seconds, "slowest_named": "rank 7" in view.rows.value}
 
 
-def plot(results: dict, path: Path = PLOT) -> None:
+def plot(results: dict, path: Path = PLOT, stops: Optional[dict] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,12 +424,20 @@ def plot(results: dict, path: Path = PLOT) -> None:
     ax.set(xscale="log", xlabel="ranks", ylabel="seconds", title="call -> every rank's first step")
     ax.legend(fontsize=8)
     ax = axes[2]
-    ax.plot(sizes, [m["fail_verdict_s"] for m in med], "o-", label="one rank raises -> WorkerError")
-    ax.plot(sizes, [m["stop_gone_s"] for m in med], "s-", label="interrupt -> no rank left")
+    stop_sizes, stop_med = sizes, med
+    if stops:  # the later --stops-only run: failure named, stop, and the system's floor
+        stop_sizes = sorted(int(n) for n in stops["sizes"])
+        stop_med = [stops["sizes"][str(n)]["median"] for n in stop_sizes]
+        ax.plot(stop_sizes, [m["fail_named_s"] for m in stop_med], "^-", label="one rank raises -> named in the view")
+    ax.plot(stop_sizes, [m["fail_verdict_s"] for m in stop_med], "o-", label="one rank raises -> WorkerError")
+    ax.plot(stop_sizes, [m["stop_gone_s"] for m in stop_med], "s-", label="interrupt -> no rank left")
+    if stops:
+        ax.plot(stop_sizes, [m["os_floor_s"] for m in stop_med], "x:", color="#8a8a8a",
+                label="the system: SIGKILL n copies of the kernel -> reaped")
     ax.set(xscale="log", xlabel="ranks", ylabel="seconds", title="failure and stop")
     ax.legend(fontsize=8)
-    for ax in axes:
-        ax.set_xticks(sizes, [str(n) for n in sizes])
+    for ax, xs in zip(axes, (sizes, sizes, stop_sizes)):
+        ax.set_xticks(xs, [str(n) for n in xs])
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -443,7 +458,7 @@ def main() -> None:
     opts = parser.parse_args()
     opts.out = opts.out or str(STOPS if opts.stops_only else RESULT)
     if opts.plot_only:
-        plot(json.loads(Path(opts.out).read_text()))
+        plot(json.loads(RESULT.read_text()), stops=json.loads(STOPS.read_text()) if STOPS.exists() else None)
         return
     results = run([int(n) for n in opts.sizes.split(",")], opts.reps, opts.seconds, opts.hz,
                   0 if opts.stops_only else opts.pg_max, report=not opts.stops_only)
@@ -454,7 +469,7 @@ def main() -> None:
     Path(opts.out).write_text(json.dumps(results, indent=1))
     try:
         if not opts.stops_only:
-            plot(results)
+            plot(results, stops=json.loads(STOPS.read_text()) if STOPS.exists() else None)
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(json.dumps({n: r["median"] for n, r in results["sizes"].items()}, indent=1))

@@ -120,9 +120,11 @@ def signal_trees(ranks: list[tuple], sig: int) -> None:
     first, then every process signalled, children before their rank, the
     ranks in the order given. A rank with a pidfd (:mod:`.pidfds`) is
     signalled through it (and left out of ``seen``), and not at all once it
-    has ended; a SIGKILL does not read again the tree of one already exiting. Once the first rank is
-    signalled, the dying compete with the kernel for the CPUs: nothing is
-    read between signals."""
+    has ended; a SIGKILL does not read again the tree of one already exiting.
+    Once the first rank is signalled, the dying compete with the kernel for
+    the CPUs: nothing is read between signals. They are not reniced (they
+    were, to keep the kernel's CPU): at ``nice 19`` the teardown of hundreds
+    of ranks crawled on a machine busy with anything else."""
     fds = [entry[2] for entry in ranks if len(entry) > 2 and entry[2] is not None]
     over = pidfds.ended(fds)
     doomed: list = []  # psutil.Process, or a pidfd
