@@ -25,7 +25,8 @@ AGGREGATE_ABOVE = MANY_ABOVE
 MANY_POINTS = 100  # per rank and metric above MANY_ABOVE ranks: the band holds the run (view/many.py)
 STILL_AFTER_S = 10.0  # a running rank's row says how long since its last step after this long
 TEXT_TAIL_LINES = 20  # of the ranks' output, what the final text/plain keeps
-RANK_TAIL = 48  # each rank's last lines, for the view's pages by rank (view/by_rank.py)
+RANK_TAIL = 48  # each rank's last lines, for the view's pages by rank (view/by_rank.py) ...
+RANK_TAIL_CHARS = 400  # ... each at most this long there (20 MB at most for 1,024 ranks)
 
 
 @dataclass
@@ -213,7 +214,8 @@ class LaunchState:
         tail = self.rank_tail.get(rank)
         if tail is None:
             tail = self.rank_tail[rank] = collections.deque(maxlen=RANK_TAIL)
-        tail.extend(clip(line) for line in lines[-RANK_TAIL:])
+        tail.extend(line if len(line) <= RANK_TAIL_CHARS else f"{line[:RANK_TAIL_CHARS]} ... (the rest in its log file)"
+                    for line in lines[-RANK_TAIL:])
 
     def resources(self, usage: dict) -> None:
         """``local rank -> resources.Usage``, from the call watch's sampler."""
