@@ -395,6 +395,7 @@ def plot(results: dict, path: Path = PLOT, stops: Optional[dict] = None) -> None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     sizes = sorted(int(n) for n in results["sizes"])
     med = [results["sizes"][str(n)]["median"] for n in sizes]
@@ -434,10 +435,15 @@ def plot(results: dict, path: Path = PLOT, stops: Optional[dict] = None) -> None
     if stops:
         ax.plot(stop_sizes, [m["os_floor_s"] for m in stop_med], "x:", color="#8a8a8a",
                 label="the system: SIGKILL n copies of the kernel -> reaped")
-    ax.set(xscale="log", xlabel="ranks", ylabel="seconds", title="failure and stop")
+    title = "failure and stop"
+    if stops and stops.get("machine"):
+        loads = [m[i]["load_avg_1m"] for m in stops["machine"] for i in (1, 2)]
+        title += f" (load average {min(loads):.0f}-{max(loads):.0f})"
+    ax.set(xscale="log", xlabel="ranks", ylabel="seconds", title=title)
     ax.legend(fontsize=8)
     for ax, xs in zip(axes, (sizes, sizes, stop_sizes)):
         ax.set_xticks(xs, [str(n) for n in xs])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
