@@ -427,8 +427,9 @@ def plot(results: dict, path: Path = PLOT, stops: Optional[dict] = None) -> None
     ax = axes[2]
     stop_sizes, stop_med = sizes, med
     if stops:  # the later --stops-only run: failure named, stop, and the system's floor
-        stop_sizes = sorted(int(n) for n in stops["sizes"])
-        stop_med = [stops["sizes"][str(n)]["median"] for n in stop_sizes]
+        chosen = stops.get("quieter_alternating", {}).get("after") or stops["sizes"]
+        stop_sizes = sorted(int(n) for n in chosen)
+        stop_med = [chosen[str(n)]["median"] for n in stop_sizes]
         ax.plot(stop_sizes, [m["fail_named_s"] for m in stop_med], "^-", label="one rank raises -> named in the view")
     ax.plot(stop_sizes, [m["fail_verdict_s"] for m in stop_med], "o-", label="one rank raises -> WorkerError")
     ax.plot(stop_sizes, [m["stop_gone_s"] for m in stop_med], "s-", label="interrupt -> no rank left")
@@ -436,7 +437,10 @@ def plot(results: dict, path: Path = PLOT, stops: Optional[dict] = None) -> None
         ax.plot(stop_sizes, [m["os_floor_s"] for m in stop_med], "x:", color="#8a8a8a",
                 label="the system: SIGKILL n copies of the kernel -> reaped")
     title = "failure and stop"
-    if stops and stops.get("machine"):
+    if stops and stops.get("quieter_alternating"):
+        loads = [v for _, *pair in stops["quieter_alternating"]["loads"] for v in pair]
+        title += f" (load average {min(loads):.0f}-{max(loads):.0f})"
+    elif stops and stops.get("machine"):
         loads = [m[i]["load_avg_1m"] for m in stops["machine"] for i in (1, 2)]
         title += f" (load average {min(loads):.0f}-{max(loads):.0f})"
     ax.set(xscale="log", xlabel="ranks", ylabel="seconds", title=title)
