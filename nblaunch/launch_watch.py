@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .wire.channel import Progress
+from .errors import WorkerError
+from .wire.channel import Preempting, Progress
 from .preempt import Catcher, Grace
 from .watch import CallWatch
 
@@ -48,9 +49,26 @@ class LaunchWatch(CallWatch):
         super()._on_event(rank, event)
         if isinstance(event, Progress) and event.call == self.call:
             self.steps[self._pool.global_rank(rank)] = event.n
+        elif isinstance(event, Preempting) and self._catcher is not None:  # SIGTERM to a rank, from outside
+            self._catcher.note(event.signal, _rank_on(self._pool, rank))
 
     def _outcome(self) -> list:
+        returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
         if self._grace.expired:
-            returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
             raise self._grace.error(self._pool, returned, self.steps)
-        return super()._outcome()
+        try:
+            return super()._outcome()
+        except WorkerError as exc:
+            # The job's end came before the grace's (SLURM's KillWait is
+            # shorter): the ranks it killed were preempted, not failed.
+            if self._grace.until is not None and all(f.kind in _ENDED for f in exc.failures):
+                raise self._grace.error(self._pool, returned, self.steps, ended=True) from exc
+            raise
+
+
+_ENDED = ("node", "signal", "stopped", "left")  # what the job's end does to a rank that was saving
+
+
+def _rank_on(pool, rank: int) -> str:
+    host = pool.host(rank)
+    return f"rank {pool.global_rank(rank)}" + (f" on {host}" if host else "")

@@ -165,9 +165,11 @@ class Grace:
             return True
         return False
 
-    def error(self, pool, returned: list, steps: dict):
+    def error(self, pool, returned: list, steps: dict, ended: bool = False):
         """``Preempted``: what came, at which step (the furthest of ``steps``,
-        global rank -> its bar's last step), who did not return in time."""
+        global rank -> its bar's last step), who did not return in time
+        (``ended``: they were ended before the grace was over, by whoever
+        sent the notice: SLURM's SIGKILL after KillWait)."""
         from .errors import Preempted
 
         c = self.catcher
@@ -176,8 +178,10 @@ class Grace:
         step = max(steps.values()) if steps else None
         at = f" at step {step}" if step is not None else ""
         back = f"; {_ranks(returned)} returned" if returned else ""
-        return Preempted(f"the launch was preempted ({c.signal} to {c.where}){at}: {_ranks(left)} did not return "
-                         f"within the {c.grace:g} s grace (preempt_grace) and were stopped{back}. Save when "
+        how = (f"were ended before the {c.grace:g} s grace (preempt_grace) was over (SLURM's KillWait is the "
+               "longest a job gets)" if ended else f"did not return within the {c.grace:g} s grace (preempt_grace) "
+               "and were stopped")
+        return Preempted(f"the launch was preempted ({c.signal} to {c.where}){at}: {_ranks(left)} {how}{back}. Save when "
                          f"nblaunch.preempted() turns true, and resume from that checkpoint. Full output: "
                          f"{pool.log_dir}", signal=c.signal, step=step, returned=tuple(returned),
                          log_dir=str(pool.log_dir))

@@ -101,6 +101,15 @@ def save_when_preempted(folder: str):
     return {"step": step, "saw": nblaunch.preempted()}
 
 
+def save_when_preempted_say_pid(folder: str):
+    """``save_when_preempted``, each rank's pid in its file (for a SIGTERM from outside)."""
+    import torch.distributed as dist
+
+    with open(os.path.join(folder, f"pid{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    return save_when_preempted(folder)
+
+
 def ignore_preemption(folder: str):
     import torch.distributed as dist
 
@@ -203,6 +212,33 @@ def test_the_grace_is_not_cut_short(tmp_path):
         nblaunch.notebook_launcher(ignore_preemption, (str(tmp_path),), num_processes=2, preempt_grace=4.0,
                                    display="none")
     assert time.monotonic() - t0 >= 4.0
+
+
+def test_sigterm_from_outside_to_every_rank_is_a_notice_and_nblaunchs_own_stop_still_ends_them(tmp_path, capsys):
+    """What SLURM does on preemption, scancel and the time limit: SIGTERM to
+    every process of the step (here the ``kill`` command, neither the kernel
+    nor a rank), SIGKILL only later. The ranks take it as the notice, save
+    and return; nblaunch's own SIGTERM (a failure's stop) still ends them at once."""
+    import subprocess
+
+    def kill_when_up():
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)]
+        subprocess.run(["kill", "-TERM", *pids], check=True, timeout=20)
+
+    threading.Thread(target=kill_when_up, daemon=True).start()
+    results = nblaunch.notebook_launcher(save_when_preempted_say_pid, (str(tmp_path),), num_processes=2,
+                                         display="text")
+    assert [r["saw"] for r in results] == [True, True]
+    assert results[0]["step"] == results[1]["step"] > 0
+    assert "preempted (SIGTERM to rank " in capsys.readouterr().out
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:  # rank 1 raises; rank 0, in its all_reduce, is stopped by nblaunch
+        nblaunch.notebook_launcher(raise_on_rank1, num_processes=2, display="none")
+    assert time.monotonic() - t0 < 30 and info.value.rank == 1
+    assert [f.signal for f in info.value.failures[1:]] == [signal.SIGTERM], [f.summary() for f in info.value.failures]
 
 
 def test_preempted_is_false_outside_a_rank():
