@@ -33,7 +33,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from .. import linux
-from ..rank import setup as rank_setup, term, worker
+from ..rank import setup as rank_setup, worker
 
 __all__ = ["Zygote", "ZygoteRank", "usable"]
 
@@ -163,7 +163,7 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
     # SLURM's SIGTERM reaches every process of the step; the zygote (never
     # stopped with SIGTERM by nblaunch) outlives it, and its ranks are born
     # with it blocked (rank.term tells a notice from nblaunch's stop).
-    term.block()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     me = os.getpid()
     children: dict[int, int] = {}
     for i, (spec, job, go, events, output) in enumerate(ranks):

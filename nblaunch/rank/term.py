@@ -8,8 +8,9 @@ and SIGKILL only ``KillWait`` later: that one must not end the rank but
 tell it (``nblaunch.preempted()``) so that it can save.
 
 Which of the two came is decided by the sender's identity, which only
-``sigwaitinfo`` gives: SIGTERM is blocked in the rank from its first
-instruction (a zygote forks it blocked) and one thread waits for it. From
+``sigtimedwait`` gives: SIGTERM is blocked in the rank from its first
+instruction (a zygote forks it blocked) and the rank's parent-watch thread
+(:mod:`nblaunch.rank.lifeline`) waits for it between its polls. From
 the pool's process (or the rank itself): the rank ends exactly as SIGTERM
 ends it otherwise (the default action, or ``fn``'s own handler). From
 anyone else: the notice is written for the node's ranks at once and
@@ -26,53 +27,80 @@ import _thread
 import os
 import signal
 import threading
+import time
 
-__all__ = ["block", "watch"]
+__all__ = ["block", "watch", "pause"]
 
-_watching = False
+_HOLDS = hasattr(signal, "sigtimedwait")  # Linux; elsewhere SIGTERM ends a rank as it always did
+_owners: set = set()
+_folder = ""
+_report = None
+_heard: list = []  # a notice that came before it could be reported
 
 
-def block() -> None:
-    """Hold SIGTERM in this thread and every thread it starts from now on.
-    Call before any other thread exists."""
+def block(owner: int, notice_folder: str) -> None:
+    """Hold SIGTERM in this thread and every thread it starts from now on
+    (call before any other thread exists). ``owner``: the pid whose SIGTERM
+    is nblaunch's stop; ``notice_folder``: where the node's ranks read the
+    notice (empty: none)."""
+    global _folder
+    if not _HOLDS:
+        return
+    _owners.update({owner, os.getpid()})
+    _folder = notice_folder
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
-def watch(owner: int, notice_folder: str, report) -> None:
-    """Start the thread that takes this rank's SIGTERMs. ``owner``: the pid
-    whose SIGTERM is nblaunch's stop; ``notice_folder``: where the node's
-    ranks read the notice (empty: none); ``report(signal, sender_pid)``:
-    tell the kernel."""
-    global _watching
-    if _watching or not hasattr(signal, "sigwaitinfo"):
+def watch(report) -> None:
+    """``report(signal, sender_pid)`` tells the kernel of a notice (now, if one came already)."""
+    global _report
+    _report = report
+    while _heard:
+        _tell(*_heard.pop())
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds``, taking the SIGTERMs that come meanwhile: the rank's
+    parent-watch thread sleeps here (one thread for both, not one more in
+    every crash dump)."""
+    if not _owners:
+        time.sleep(seconds)
         return
-    _watching = True
-    ours = {owner, os.getpid()}
-    threading.Thread(target=_wait, args=(ours, notice_folder, report), name="nblaunch-sigterm",
-                     daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        info = signal.sigtimedwait({signal.SIGTERM}, left)
+        if info is not None:
+            _take(info.si_pid)
 
 
-def _wait(ours: set, notice_folder: str, report) -> None:
-    told = False
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid in ours:
-            _end_as_sigterm()
-            continue
-        handler = signal.getsignal(signal.SIGTERM)
-        if callable(handler):  # fn's own: it decides, as it would have without nblaunch
-            _thread.interrupt_main(signal.SIGTERM)
-        if told:
-            continue
-        told = True
-        if notice_folder:
-            from ..preempt import write_notice
+def _take(sender: int) -> None:
+    if sender in _owners:
+        _end_as_sigterm()
+        return
+    if callable(signal.getsignal(signal.SIGTERM)):  # fn's own handler: it decides, as without nblaunch
+        _thread.interrupt_main(signal.SIGTERM)
+    if _report is None:
+        _heard.append(("SIGTERM", sender))
+    else:
+        _tell("SIGTERM", sender)
 
-            write_notice(notice_folder, f"SIGTERM from pid {info.si_pid}")
-        try:
-            report("SIGTERM", info.si_pid)
-        except (OSError, ValueError):
-            pass  # the kernel is gone: the rank ends with it
+
+_told = False
+
+
+def _tell(sig: str, sender: int) -> None:
+    global _told
+    if _told:
+        return
+    _told = True
+    if _folder:
+        from ..preempt import write_notice
+
+        write_notice(_folder, f"{sig} from pid {sender}")
+    try:
+        _report(sig, sender)
+    except (OSError, ValueError):
+        pass  # the kernel is gone: the rank ends with it
 
 
 def _end_as_sigterm() -> None:

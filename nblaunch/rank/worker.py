@@ -82,7 +82,8 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     the process that started this one, when it may already be gone (a rank
     forked by :mod:`nblaunch.engines.zygote`)."""
     global _current
-    term.block()  # before any thread: SIGTERM is nblaunch's stop or the job's end, told apart by its sender
+    # Before any thread: SIGTERM is nblaunch's stop or the job's end, told apart by its sender.
+    term.block(spec.kernel_pid, os.path.dirname(spec.stack_file) if spec.stack_file else "")
     prepared = rank_setup.prepared()  # by a zygote, before it forked this rank
     if prepared is None:
         lifeline.default_stop_signals()
@@ -98,8 +99,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         stacks.register(spec.stack_file)
     sender = EventSender(events)
     local = spec.local_rank
-    term.watch(spec.kernel_pid, os.path.dirname(spec.stack_file) if spec.stack_file else "",
-               lambda sig, by: sender.send(Preempting(local, sig, by)))
+    term.watch(lambda sig, by: sender.send(Preempting(local, sig, by)))
     begin_rank(sender, local)
     made_group = False
     try:
