@@ -27,9 +27,10 @@ import threading
 import time
 from typing import Optional
 
+from .rank.notice import NOTICE_FILE
+
 __all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT"]
 
-NOTICE_FILE = "preempted"  # in the folder of the rank's stack file: the pool's folder on its node
 CAUGHT = (signal.SIGTERM,)  # SIGUSR1 is a rank's stack dump here; the agents take it on a cluster
 
 _seen = False
@@ -70,14 +71,6 @@ def _notice_here() -> bool:
     if spec is None or not spec.stack_file:
         return False
     return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))
-
-
-def write_notice(folder: str, text: str) -> None:
-    """The notice, for the ranks whose files are in ``folder``."""
-    tmp = os.path.join(folder, f".{NOTICE_FILE}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(folder, NOTICE_FILE))
 
 
 class Catcher:

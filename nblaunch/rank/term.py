@@ -94,7 +94,7 @@ def _tell(sig: str, sender: int) -> None:
         return
     _told = True
     if _folder:
-        from ..preempt import write_notice
+        from .notice import write_notice
 
         write_notice(_folder, f"{sig} from pid {sender}")
     try:
