@@ -113,6 +113,8 @@ def save_when_preempted_say_pid(folder: str):
 def ignore_preemption(folder: str):
     import torch.distributed as dist
 
+    with open(os.path.join(folder, f"pid{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
     open(os.path.join(folder, f"up{dist.get_rank()}"), "w").close()
     bar = nblaunch.progress(total=10_000, desc="train")
     while True:
@@ -239,6 +241,29 @@ def test_sigterm_from_outside_to_every_rank_is_a_notice_and_nblaunchs_own_stop_s
         nblaunch.notebook_launcher(raise_on_rank1, num_processes=2, display="none")
     assert time.monotonic() - t0 < 30 and info.value.rank == 1
     assert [f.signal for f in info.value.failures[1:]] == [signal.SIGTERM], [f.summary() for f in info.value.failures]
+
+
+def test_ranks_that_the_job_kills_before_the_grace_is_over_are_preempted_not_failed(tmp_path):
+    """SLURM's SIGKILL comes KillWait after its SIGTERM, whatever the grace:
+    ranks still saving are then killed, and the verdict is ``Preempted``."""
+    import subprocess
+
+    def as_slurm_does():
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)]
+        subprocess.run(["kill", "-TERM", *pids], check=True, timeout=20)
+        time.sleep(1.0)  # KillWait
+        subprocess.run(["kill", "-KILL", *pids], check=True, timeout=20)
+
+    threading.Thread(target=as_slurm_does, daemon=True).start()
+    with pytest.raises(Preempted) as info:
+        nblaunch.notebook_launcher(ignore_preemption, (str(tmp_path),), num_processes=2, preempt_grace=60,
+                                   display="none")
+    assert "the launch was preempted (SIGTERM to rank " in str(info.value)
+    assert "ranks 0, 1 were ended before the 60 s grace (preempt_grace) was over" in str(info.value)
+    assert isinstance(info.value.__cause__, WorkerError)
 
 
 def test_preempted_is_false_outside_a_rank():
