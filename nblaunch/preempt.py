@@ -1,14 +1,17 @@
 """Preemption: a notice to every rank that the job is about to end.
 
-SLURM says a job is about to end with a signal: SIGTERM on preemption or
-``scancel``, SIGUSR1 (or any signal) with ``scancel --signal=USR1`` or
-``--signal=USR1@60`` before the time limit. When SIGTERM reaches the kernel
-(:class:`Catcher`, while a launch's ranks run) or SIGUSR1 a node's agent
-(which tells the kernel; in the kernel SIGUSR1 is left alone: it is the
-ranks' stack-dump signal, which forked processes inherit), the kernel tells every rank of the generation at once
-(``RankPool.preempt``: a file beside the rank's other files, on every
-node), and the ranks get ``grace`` seconds, never cut short, to save and
-return. In a rank, :func:`preempted` says so::
+SLURM says a job is about to end with a signal: SIGTERM on preemption,
+``scancel JOB`` and the time limit (to every process of the job's steps,
+SIGKILL following ``KillWait`` later), SIGUSR1 (or any signal) with
+``scancel --signal=USR1`` or ``--signal=USR1@60`` before the time limit.
+Whoever gets it first says so: the kernel (:class:`Catcher`, while a
+launch's ranks run, for a signal nothing else there handles: a kernel that
+registered ``faulthandler`` on SIGUSR1 keeps its stack dump), a node's agent
+(SIGTERM or SIGUSR1), or a rank (SIGTERM from anyone but nblaunch,
+:mod:`nblaunch.rank.term`). The kernel then tells every rank of the
+generation at once (``RankPool.preempt``: a file beside the rank's other
+files, on every node), and the ranks get ``grace`` seconds, never cut short
+by nblaunch, to save and return. In a rank, :func:`preempted` says so::
 
     for step in range(start, steps):
         train_step()
@@ -29,9 +32,11 @@ from typing import Optional
 
 from .rank.notice import NOTICE_FILE
 
-__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT"]
+__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT", "unhandled"]
 
-CAUGHT = (signal.SIGTERM,)  # SIGUSR1 is a rank's stack dump here; the agents take it on a cluster
+# What SLURM sends before a job ends: SIGTERM (preemption, scancel, the time
+# limit) and, where asked for, SIGUSR1 (--signal=USR1@60, scancel --signal=USR1).
+CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
 
 _seen = False
 
@@ -93,12 +98,12 @@ class Catcher:
         rank's SIGUSR1 is its stack dump)."""
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
-                # Only a signal nothing else handles: a handler set outside
-                # Python (faulthandler's, which a process forked from this one
-                # keeps) could not be put back, and one the process set itself
-                # means something else there (a detached run's supervisor:
-                # SIGTERM is run.stop()).
-                if signal.getsignal(sig) == signal.SIG_DFL:
+                # Only a signal nothing else handles (it would end the kernel):
+                # one the process set itself means something else there (a
+                # detached run's supervisor: SIGTERM is run.stop()), and a
+                # handler set outside Python (faulthandler.register(SIGUSR1),
+                # a stack dump many set in their kernel) could not be put back.
+                if unhandled(sig):
                     self._previous[sig] = signal.signal(sig, self._handler)
 
     def disarm(self) -> None:
@@ -125,6 +130,23 @@ class Catcher:
     @property
     def caught(self) -> bool:
         return self.signal is not None
+
+
+def unhandled(sig: int) -> bool:
+    """Whether ``sig`` has its default action here, for Python and below it
+    (``signal.getsignal`` does not see a handler set in C, as faulthandler's)."""
+    if signal.getsignal(sig) != signal.SIG_DFL:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.create_string_buffer(512)  # a struct sigaction, its handler first (glibc, musl, macOS)
+        if libc.sigaction(int(sig), None, action) != 0:
+            return True
+        return not ctypes.c_void_p.from_buffer(action).value  # SIG_DFL is 0
+    except (OSError, AttributeError):
+        return True
 
 
 class Grace:

@@ -175,7 +175,7 @@ def _signal_when_up(folder, n: int, sig: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_preemption_signal_to_the_kernel_lets_every_rank_save_and_return(tmp_path, capsys, sig):
     import torch.distributed.checkpoint as dcp
     import torch
@@ -266,6 +266,22 @@ def test_ranks_that_the_job_kills_before_the_grace_is_over_are_preempted_not_fai
     assert isinstance(info.value.__cause__, WorkerError)
 
 
+def test_a_signal_the_kernel_handles_in_c_is_left_to_it():
+    """faulthandler.register(SIGUSR1), a stack dump many set in their kernel,
+    is not taken over (signal.getsignal does not see it) nor lost."""
+    import faulthandler
+
+    from nblaunch.preempt import Catcher
+
+    faulthandler.register(signal.SIGUSR1)
+    try:
+        catcher = Catcher(1.0)
+        with catcher:
+            assert signal.SIGUSR1 not in catcher._previous and signal.SIGTERM in catcher._previous
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+
+
 def test_preempted_is_false_outside_a_rank():
     assert nblaunch.preempted() is False
 
@@ -294,7 +310,7 @@ def test_good_resilience_settings_are_kept():
     assert (c.min_nodes, c.preempt_grace) == (2, 0)
 
 
-def test_sigterm_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
+def test_sigterm_or_sigusr1_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
     """What SLURM's preemption sends to the job's processes (the kernel among
     them): the ranks save and return, the cell shows it, and the kernel, its
     own SIGTERM handling restored, serves the next cell."""
@@ -322,5 +338,20 @@ print("returned", len(res), res[0] == res[1])""")
         assert r.error is None, r.error
         assert "preempted (SIGTERM to the kernel): saving" in r.text and "returned 2 True" in r.text, r.text
         assert k.execute("import signal; print(signal.getsignal(signal.SIGTERM))").error is None
+        # SIGUSR1 (sbatch --signal=USR1@60 on a job running Jupyter) is a
+        # notice too where nothing in the kernel takes it: this test kernel
+        # registered faulthandler on it, which stays its own until it lets go.
+        for name in ("up0", "up1"):
+            os.remove(tmp_path / name)
+        msg = k.execute_async("import faulthandler, signal; faulthandler.unregister(signal.SIGUSR1)\n"
+                              f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), "
+                              "num_processes=2, display='text')\nprint('returned', len(res), res[0] == res[1])")
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(k.pid, signal.SIGUSR1)
+        r = k.wait_for_reply(msg, timeout=120)
+        assert r.error is None, r.error
+        assert "preempted (SIGUSR1 to the kernel): saving" in r.text and "returned 2 True" in r.text, r.text
     finally:
         k.shutdown()
