@@ -175,7 +175,7 @@ def _signal_when_up(folder, n: int, sig: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM])  # SIGUSR1: on a real kernel below
 def test_a_preemption_signal_to_the_kernel_lets_every_rank_save_and_return(tmp_path, capsys, sig):
     import torch.distributed.checkpoint as dcp
     import torch
@@ -216,11 +216,11 @@ def test_the_grace_is_not_cut_short(tmp_path):
     assert time.monotonic() - t0 >= 4.0
 
 
-def test_sigterm_from_outside_to_every_rank_is_a_notice_and_nblaunchs_own_stop_still_ends_them(tmp_path, capsys):
+def test_sigterm_from_outside_to_every_rank_is_a_notice_not_a_stop(tmp_path, capsys):
     """What SLURM does on preemption, scancel and the time limit: SIGTERM to
     every process of the step (here the ``kill`` command, neither the kernel
     nor a rank), SIGKILL only later. The ranks take it as the notice, save
-    and return; nblaunch's own SIGTERM (a failure's stop) still ends them at once."""
+    and return."""
     import subprocess
 
     def kill_when_up():
@@ -236,11 +236,8 @@ def test_sigterm_from_outside_to_every_rank_is_a_notice_and_nblaunchs_own_stop_s
     assert [r["saw"] for r in results] == [True, True]
     assert results[0]["step"] == results[1]["step"] > 0
     assert "preempted (SIGTERM to rank " in capsys.readouterr().out
-    t0 = time.monotonic()
-    with pytest.raises(WorkerError) as info:  # rank 1 raises; rank 0, in its all_reduce, is stopped by nblaunch
-        nblaunch.notebook_launcher(raise_on_rank1, num_processes=2, display="none")
-    assert time.monotonic() - t0 < 30 and info.value.rank == 1
-    assert [f.signal for f in info.value.failures[1:]] == [signal.SIGTERM], [f.summary() for f in info.value.failures]
+    # nblaunch's own SIGTERM still ends a rank at once, even blocked in a
+    # collective: test_launch.py::test_peers_blocked_in_a_collective_stop_on_sigterm...
 
 
 def test_ranks_that_the_job_kills_before_the_grace_is_over_are_preempted_not_failed(tmp_path):
