@@ -5,6 +5,7 @@ rank once, the ranks have the grace to save and return, and those still in
 the call after it are stopped, the verdict then being ``Preempted``."""
 from __future__ import annotations
 
+import signal
 import time
 from typing import Optional
 
@@ -61,12 +62,15 @@ class LaunchWatch(CallWatch):
         except WorkerError as exc:
             # The job's end came before the grace's (SLURM's KillWait is
             # shorter): the ranks it killed were preempted, not failed.
-            if self._grace.until is not None and all(f.kind in _ENDED for f in exc.failures):
+            if self._grace.until is not None and all(_ended(f) for f in exc.failures):
                 raise self._grace.error(self._pool, returned, self.steps, ended=True) from exc
             raise
 
 
-_ENDED = ("node", "signal", "stopped", "left")  # what the job's end does to a rank that was saving
+def _ended(failure) -> bool:
+    """What the job's end does to a rank that was saving (a crash, even then, is a crash)."""
+    return failure.kind in ("node", "stopped", "left") or (
+        failure.kind == "signal" and failure.signal in (signal.SIGKILL, signal.SIGTERM))
 
 
 def _rank_on(pool, rank: int) -> str:

@@ -42,8 +42,9 @@ _seen = False
 
 
 def preempted(agree: bool = False) -> bool:
-    """In a rank: True once the job was told to end (SIGTERM to the kernel,
-    SIGUSR1 to a node's agents); the rank then has the launch's
+    """In a rank: True once the job was told to end (SLURM's SIGTERM or
+    SIGUSR1 to the kernel, a node's agent or a rank, a Ray node being
+    drained: see the module doc); the rank then has the launch's
     ``preempt_grace`` seconds to save and return. False outside a rank.
 
     ``agree=True`` makes it a collective on the default process group (every
