@@ -19,7 +19,7 @@ Runs inside an allocation of three nodes (``SLURM_JOB_ID``), or makes one
 (``salloc --no-shell -N3 --no-kill``) and gives it back; ``.ci/slurm``
 starts three nodes on this machine.
 
-    python bench/recovery.py            # 3 alternating rounds (--rounds N)
+    python bench/recovery.py            # 5 alternating rounds (--rounds N)
     python bench/recovery.py --smoke    # one round
 """
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _allocation() -> tuple[str, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "recovery.json"))
     opts = parser.parse_args()
     job, ours = _allocation()

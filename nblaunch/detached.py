@@ -36,7 +36,7 @@ from .errors import LaunchError, WorkerError
 from .postmortem import with_rank_frames
 from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register
 from .session import LaunchResults
-from .supervisor import write_atomically
+from .supervisor import STOP_FILE, write_atomically
 from .view import WidgetDisplay, make_display
 from .wire.payload import CloudJob
 
@@ -145,6 +145,10 @@ class DetachedRun(Run):
     def stop(self, timeout: Optional[float] = 30.0) -> None:
         if not self.done():
             self._stop.set()
+            try:
+                (Path(self.run_dir) / STOP_FILE).touch()  # this SIGTERM is a stop, not SLURM's notice
+            except OSError:
+                pass
             _signal_supervisor(self.run_dir, signal.SIGTERM)
         try:
             self.exception(timeout)

@@ -41,10 +41,11 @@ class LaunchTimeout(LaunchError):
 
 
 class Preempted(LaunchError):
-    """The launch was preempted (SIGTERM reached the kernel, or SIGUSR1 a
-    node's agents: what SLURM sends on preemption, ``scancel --signal``,
-    ``--signal=USR1@60``) and its ranks did not all return within the grace
-    period; they were then stopped. ``signal`` names what came, ``step`` the
+    """The launch was preempted (SIGTERM or SIGUSR1 reached the kernel, a
+    node's agent or, from outside nblaunch, a rank: what SLURM sends on
+    preemption, ``scancel``, the time limit, ``--signal=USR1@60``) and its
+    ranks did not all return within the grace period; they were then
+    stopped (or ended by whoever sent the notice, SLURM's SIGKILL). ``signal`` names what came, ``step`` the
     furthest step a rank's progress bar reached (None: no bar), ``returned``
     the global ranks that did return, ``log_dir`` where each rank's output is."""
 

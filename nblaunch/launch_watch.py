@@ -5,10 +5,12 @@ rank once, the ranks have the grace to save and return, and those still in
 the call after it are stopped, the verdict then being ``Preempted``."""
 from __future__ import annotations
 
+import signal
 import time
 from typing import Optional
 
-from .wire.channel import Progress
+from .errors import WorkerError
+from .wire.channel import Preempting, Progress
 from .preempt import Catcher, Grace
 from .watch import CallWatch
 
@@ -48,9 +50,29 @@ class LaunchWatch(CallWatch):
         super()._on_event(rank, event)
         if isinstance(event, Progress) and event.call == self.call:
             self.steps[self._pool.global_rank(rank)] = event.n
+        elif isinstance(event, Preempting) and self._catcher is not None:  # SIGTERM to a rank, from outside
+            self._catcher.note(event.signal, _rank_on(self._pool, rank))
 
     def _outcome(self) -> list:
+        returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
         if self._grace.expired:
-            returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
             raise self._grace.error(self._pool, returned, self.steps)
-        return super()._outcome()
+        try:
+            return super()._outcome()
+        except WorkerError as exc:
+            # The job's end came before the grace's (SLURM's KillWait is
+            # shorter): the ranks it killed were preempted, not failed.
+            if self._grace.until is not None and all(_ended(f) for f in exc.failures):
+                raise self._grace.error(self._pool, returned, self.steps, ended=True) from exc
+            raise
+
+
+def _ended(failure) -> bool:
+    """What the job's end does to a rank that was saving (a crash, even then, is a crash)."""
+    return failure.kind in ("node", "stopped", "left") or (
+        failure.kind == "signal" and failure.signal in (signal.SIGKILL, signal.SIGTERM))
+
+
+def _rank_on(pool, rank: int) -> str:
+    host = pool.host(rank)
+    return f"rank {pool.global_rank(rank)}" + (f" on {host}" if host else "")

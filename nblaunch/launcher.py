@@ -77,8 +77,9 @@ def notebook_launcher(
     generation runs on the nodes still up if at least this many are
     (``WORLD_SIZE`` and ``RANK`` then say how many ranks are left).
 
-    Preemption: SIGTERM to the kernel, or SIGUSR1 to a cluster's agents
-    (``scancel --signal=USR1``, ``--signal=USR1@60``), during a launch makes
+    Preemption: SIGTERM or SIGUSR1 to the kernel or a cluster's agents, or
+    SIGTERM to the ranks from outside nblaunch (what SLURM sends on
+    preemption, ``scancel``, the time limit, ``--signal=USR1@60``), during a launch makes
     ``nblaunch.preempted()`` true on every rank; the ranks get
     ``preempt_grace`` seconds to save and return. Their results are returned
     if all return; else they are stopped and ``nblaunch.Preempted`` is raised.

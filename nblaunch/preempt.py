@@ -1,14 +1,17 @@
 """Preemption: a notice to every rank that the job is about to end.
 
-SLURM says a job is about to end with a signal: SIGTERM on preemption or
-``scancel``, SIGUSR1 (or any signal) with ``scancel --signal=USR1`` or
-``--signal=USR1@60`` before the time limit. When SIGTERM reaches the kernel
-(:class:`Catcher`, while a launch's ranks run) or SIGUSR1 a node's agent
-(which tells the kernel; in the kernel SIGUSR1 is left alone: it is the
-ranks' stack-dump signal, which forked processes inherit), the kernel tells every rank of the generation at once
-(``RankPool.preempt``: a file beside the rank's other files, on every
-node), and the ranks get ``grace`` seconds, never cut short, to save and
-return. In a rank, :func:`preempted` says so::
+SLURM says a job is about to end with a signal: SIGTERM on preemption,
+``scancel JOB`` and the time limit (to every process of the job's steps,
+SIGKILL following ``KillWait`` later), SIGUSR1 (or any signal) with
+``scancel --signal=USR1`` or ``--signal=USR1@60`` before the time limit.
+Whoever gets it first says so: the kernel (:class:`Catcher`, while a
+launch's ranks run, for a signal nothing else there handles: a kernel that
+registered ``faulthandler`` on SIGUSR1 keeps its stack dump), a node's agent
+(SIGTERM or SIGUSR1), or a rank (SIGTERM from anyone but nblaunch,
+:mod:`nblaunch.rank.term`). The kernel then tells every rank of the
+generation at once (``RankPool.preempt``: a file beside the rank's other
+files, on every node), and the ranks get ``grace`` seconds, never cut short
+by nblaunch, to save and return. In a rank, :func:`preempted` says so::
 
     for step in range(start, steps):
         train_step()
@@ -27,17 +30,21 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT"]
+from .rank.notice import NOTICE_FILE
 
-NOTICE_FILE = "preempted"  # in the folder of the rank's stack file: the pool's folder on its node
-CAUGHT = (signal.SIGTERM,)  # SIGUSR1 is a rank's stack dump here; the agents take it on a cluster
+__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT", "unhandled"]
+
+# What SLURM sends before a job ends: SIGTERM (preemption, scancel, the time
+# limit) and, where asked for, SIGUSR1 (--signal=USR1@60, scancel --signal=USR1).
+CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
 
 _seen = False
 
 
 def preempted(agree: bool = False) -> bool:
-    """In a rank: True once the job was told to end (SIGTERM to the kernel,
-    SIGUSR1 to a node's agents); the rank then has the launch's
+    """In a rank: True once the job was told to end (SLURM's SIGTERM or
+    SIGUSR1 to the kernel, a node's agent or a rank, a Ray node being
+    drained: see the module doc); the rank then has the launch's
     ``preempt_grace`` seconds to save and return. False outside a rank.
 
     ``agree=True`` makes it a collective on the default process group (every
@@ -72,14 +79,6 @@ def _notice_here() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))
 
 
-def write_notice(folder: str, text: str) -> None:
-    """The notice, for the ranks whose files are in ``folder``."""
-    tmp = os.path.join(folder, f".{NOTICE_FILE}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(folder, NOTICE_FILE))
-
-
 class Catcher:
     """SIGTERM to the kernel, while a launch's ranks run: held
     as a notice instead of ending the kernel (``signal``: the name of the
@@ -100,12 +99,12 @@ class Catcher:
         rank's SIGUSR1 is its stack dump)."""
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
-                # Only a signal nothing else handles: a handler set outside
-                # Python (faulthandler's, which a process forked from this one
-                # keeps) could not be put back, and one the process set itself
-                # means something else there (a detached run's supervisor:
-                # SIGTERM is run.stop()).
-                if signal.getsignal(sig) == signal.SIG_DFL:
+                # Only a signal nothing else handles (it would end the kernel):
+                # one the process set itself means something else there (a
+                # detached run's supervisor: SIGTERM is run.stop()), and a
+                # handler set outside Python (faulthandler.register(SIGUSR1),
+                # a stack dump many set in their kernel) could not be put back.
+                if unhandled(sig):
                     self._previous[sig] = signal.signal(sig, self._handler)
 
     def disarm(self) -> None:
@@ -132,6 +131,23 @@ class Catcher:
     @property
     def caught(self) -> bool:
         return self.signal is not None
+
+
+def unhandled(sig: int) -> bool:
+    """Whether ``sig`` has its default action here, for Python and below it
+    (``signal.getsignal`` does not see a handler set in C, as faulthandler's)."""
+    if signal.getsignal(sig) != signal.SIG_DFL:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.create_string_buffer(512)  # a struct sigaction, its handler first (glibc, musl, macOS)
+        if libc.sigaction(int(sig), None, action) != 0:
+            return True
+        return not ctypes.c_void_p.from_buffer(action).value  # SIG_DFL is 0
+    except (OSError, AttributeError):
+        return True
 
 
 class Grace:
@@ -165,9 +181,11 @@ class Grace:
             return True
         return False
 
-    def error(self, pool, returned: list, steps: dict):
+    def error(self, pool, returned: list, steps: dict, ended: bool = False):
         """``Preempted``: what came, at which step (the furthest of ``steps``,
-        global rank -> its bar's last step), who did not return in time."""
+        global rank -> its bar's last step), who did not return in time
+        (``ended``: they were ended before the grace was over, by whoever
+        sent the notice: SLURM's SIGKILL after KillWait)."""
         from .errors import Preempted
 
         c = self.catcher
@@ -176,8 +194,10 @@ class Grace:
         step = max(steps.values()) if steps else None
         at = f" at step {step}" if step is not None else ""
         back = f"; {_ranks(returned)} returned" if returned else ""
-        return Preempted(f"the launch was preempted ({c.signal} to {c.where}){at}: {_ranks(left)} did not return "
-                         f"within the {c.grace:g} s grace (preempt_grace) and were stopped{back}. Save when "
+        how = (f"were ended before the {c.grace:g} s grace (preempt_grace) was over (SLURM's KillWait is the "
+               "longest a job gets)" if ended else f"did not return within the {c.grace:g} s grace (preempt_grace) "
+               "and were stopped")
+        return Preempted(f"the launch was preempted ({c.signal} to {c.where}){at}: {_ranks(left)} {how}{back}. Save when "
                          f"nblaunch.preempted() turns true, and resume from that checkpoint. Full output: "
                          f"{pool.log_dir}", signal=c.signal, step=step, returned=tuple(returned),
                          log_dir=str(pool.log_dir))

@@ -18,9 +18,10 @@ any kernel of that user to read; it was given ``run.pkl`` (the config) and
 - ``logs/``: each rank's full output (``NBLAUNCH_LOG_DIR``);
 - ``supervisor.log``: the supervisor's own output.
 
-SIGTERM (``run.stop()``) stops the run as an interrupt stops a launch. The
-supervisor leaves once the outcome is written; the files stay until
-``run.forget()``.
+SIGTERM from ``run.stop()`` (which writes ``stop`` in the folder first; any
+other SIGTERM is SLURM's notice to the ranks) stops the run as an interrupt
+stops a launch. The supervisor leaves once the outcome is written; the files
+stay until ``run.forget()``.
 """
 from __future__ import annotations
 
@@ -107,11 +108,17 @@ def _recorder_class():
     return Recorder
 
 
+STOP_FILE = "stop"  # in the run folder: written by run.stop() before its SIGTERM
+
+
 def main(run_dir: str) -> int:
     here = Path(run_dir)
     os.environ["NBLAUNCH_LOG_DIR"] = str(here / "logs")
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    # run.stop() says so in the folder first: a SIGTERM from anyone else is
+    # SLURM's to every process of a job (the ranks take it as a preemption
+    # notice, nblaunch.rank.term), not a stop.
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True) if (here / STOP_FILE).exists() else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # not its own: only run.stop() (SIGTERM) ends a run
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from .errors import LaunchTimeout

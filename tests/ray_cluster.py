@@ -9,6 +9,7 @@ tests' kernels join it there). Without, its ports are open on the host's
 address while it runs."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ import subprocess
 import sys
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+HEALTH_CHECKS = json.dumps({"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                            "health_check_failure_threshold": 3})
 
 
 def make_netns(name: str) -> bool:
@@ -42,8 +45,10 @@ def start(temp_dir: str, netns: str | None = None) -> str:
         port = s.getsockname()[1]
     common = ["--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
     stop()
-    head = subprocess.run([*inside, RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
-                          capture_output=True, text=True, timeout=180)
+    # A node that dies is known within seconds (Ray's default: about 30 s), so a
+    # test of a lost node places its next generation on the nodes still up.
+    head = subprocess.run([*inside, RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                           f"--system-config={HEALTH_CHECKS}", *common], capture_output=True, text=True, timeout=180)
     if head.returncode != 0:
         raise RuntimeError(f"ray start --head failed:\n{head.stdout}{head.stderr}")
     found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
@@ -58,3 +63,45 @@ def start(temp_dir: str, netns: str | None = None) -> str:
 
 def stop() -> None:
     subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def add_node(address: str, temp_dir: str, netns: str | None = None):
+    """One more node (``ray start --address``, 2 CPUs); its raylet (a psutil.Process)."""
+    import psutil
+
+    inside = ["ip", "netns", "exec", netns] if netns else []
+    before = {p.pid for p in _raylets()}
+    started = subprocess.run([*inside, RAY, "start", f"--address={address}", "--num-cpus=2", "--disable-usage-stats",
+                              f"--temp-dir={temp_dir}"], capture_output=True, text=True, timeout=180)
+    if started.returncode != 0:
+        raise RuntimeError(f"ray start (one more node) failed:\n{started.stdout}{started.stderr}")
+    new = [p for p in _raylets() if p.pid not in before]
+    assert len(new) == 1, new
+    return new[0]
+
+
+def node_id(raylet) -> str:
+    """The Ray node id (hex) of the node whose raylet this is."""
+    found = re.search(r"--node_id=([0-9a-f]+)", " ".join(raylet.cmdline()))
+    assert found, raylet.cmdline()
+    return found.group(1)
+
+
+def kill_node(raylet) -> None:
+    """SIGKILL a node's raylet and everything under it (its workers, and
+    what they started): the machine is gone."""
+    import psutil
+
+    procs = [raylet, *raylet.children(recursive=True)]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _raylets():
+    import psutil
+
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]

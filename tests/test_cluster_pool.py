@@ -12,13 +12,14 @@ import pytest
 from nblaunch.wire import link
 from nblaunch.wire.channel import RELEASE, Interrupt, Started
 from nblaunch.engines.agent_pool import AgentPool
+from nblaunch.engines.agents import AgentStep
 from nblaunch.config import LaunchConfig
 from nblaunch.engines.pool import Exited, Lines, Lost, Message
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class _Agents:
+class _Agents(AgentStep):
     """The engine's handle on the scripted agents."""
 
     what = "scripted agents"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import psutil
@@ -51,6 +52,11 @@ def test_a_detached_run_is_kept_on_disk_until_forgotten(runs_dir, tmp_path):
     assert os.getsid(supervisor) == supervisor  # a session of its own: what ends the kernel's group misses it
     listed = {r.id: r for r in nblaunch.runs(all=True)}
     assert run.id in listed and listed[run.id].config.num_processes == 2
+    # Only run.stop() stops a run: another SIGTERM (SLURM's to every process
+    # of a job, the ranks' preemption notice) leaves the supervisor going.
+    for rank in range(2):  # its ranks up: the supervisor has long set its handlers
+        wait_for_file(f"{gate}.{rank}.pid")
+    subprocess.run(["kill", "-TERM", str(supervisor)], check=True, timeout=20)
     open(gate, "w").close()
     assert run.result(timeout=120) == [0, 10]
     assert run.status == "finished" and os.path.isfile(run.result().log_files[0])
@@ -180,3 +186,4 @@ def test_stop_at_once_and_two_views_of_one_run(runs_dir, tmp_path):
         assert time.monotonic() < deadline, [v.state.state for v in run._views]
         time.sleep(0.05)
     run.forget()
+

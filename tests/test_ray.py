@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 
 import psutil
@@ -257,3 +258,93 @@ print('RESULT', nblaunch.notebook_launcher(train, num_processes=2, cluster='ray'
     assert "RESULT [40, 41, 42, 43]" in s.stdout
     assert s.prompt_texts and all(re.match(r"rank 2 on \S+ ", p) for p in s.prompt_texts), s.prompt_texts
     assert re.search(r"^42$", s.stdout, re.M)
+
+
+# --- a long run (issue 37): these two add nodes to the module's cluster, so they come last ---
+
+STEPPER = """
+import json, os, time, nblaunch
+def stepper(folder, steps=30):
+    import torch, torch.distributed as dist
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    bar = nblaunch.progress(total=steps, desc="train")
+    t = torch.ones(1)
+    for step in range(steps):
+        dist.all_reduce(t)
+        bar.update(1)
+        if step == 0:
+            open(os.path.join(folder, f"first-{restart}-{rank}"), "w").close()
+        if restart == 0 and step >= 3:
+            time.sleep(0.2)  # the first generation waits to be cut short
+    return (restart, rank, world)
+"""
+
+
+def _wait_files(folder, prefix: str, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len([f for f in os.listdir(folder) if f.startswith(prefix)]) < n:
+        assert time.monotonic() < deadline, os.listdir(folder)
+        time.sleep(0.05)
+
+
+def test_a_lost_ray_node_restarts_the_run_on_the_nodes_still_up(cluster, netns, tmp_path_factory, tmp_path):
+    """min_nodes=2 on three Ray nodes: the third node dies (its raylet and
+    everything under it SIGKILLed), and the next generation runs on the two
+    still up, WORLD_SIZE 2."""
+    raylet = ray_cluster.add_node(cluster, str(tmp_path_factory.mktemp("ray3")), netns)
+    lost = ray_cluster.node_id(raylet)
+    k = Kernel(netns=netns)
+    try:
+        _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)\n" + STEPPER, timeout=120))
+        msg = k.execute_async(f"res = nblaunch.notebook_launcher(stepper, ({str(tmp_path)!r},), num_processes=1, "
+                              "cluster=nblaunch.Ray(nodes=3), max_restarts=1, min_nodes=2, display='text')\n"
+                              "print(list(res))")
+        _wait_files(tmp_path, "first-0-", 3)
+        ray_cluster.kill_node(raylet)
+        text = _ok(k.wait_for_reply(msg, timeout=180))
+        assert "[(1, 0, 2), (1, 1, 2)]" in text, text
+        assert re.search(rf"restart 1 of 1: node \S+:{lost[:6]} lost at step \d+; 2 nodes, 2 ranks", text), text
+    finally:
+        k.shutdown()
+        _nothing_left()
+
+
+PREEMPTED = """
+import os, time, nblaunch
+def until_preempted(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, f"up-{dist.get_rank()}"), "w").close()
+    step = 0
+    while not nblaunch.preempted(agree=True):
+        step += 1
+        time.sleep(0.05)
+    return (dist.get_rank(), step)
+"""
+
+
+def test_a_ray_node_being_drained_for_preemption_lets_every_rank_save_and_return(cluster, netns, tmp_path_factory,
+                                                                                 tmp_path):
+    """What Ray's autoscaler does before a spot node is reclaimed (here
+    ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``): a notice to
+    every rank on every node, which agree on a step and return."""
+    raylet = ray_cluster.add_node(cluster, str(tmp_path_factory.mktemp("ray4")), netns)
+    drained = ray_cluster.node_id(raylet)
+    k = Kernel(netns=netns)
+    try:
+        _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)\n" + PREEMPTED, timeout=120))
+        msg = k.execute_async(f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), "
+                              "num_processes=1, cluster=nblaunch.Ray(nodes=3), display='text')\nprint(list(res))")
+        _wait_files(tmp_path, "up-", 3)
+        inside = ["ip", "netns", "exec", netns] if netns else []
+        subprocess.run([*inside, ray_cluster.RAY, "drain-node", f"--address={cluster}", f"--node-id={drained}",
+                        "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim",
+                        "--deadline-remaining-seconds=60"], check=True, timeout=60, capture_output=True)
+        text = _ok(k.wait_for_reply(msg, timeout=120))
+        found = re.findall(r"\((\d), (\d+)\)", text)
+        assert [r for r, _ in found] == ["0", "1", "2"] and len({s for _, s in found}) == 1, text
+        assert f"preempted (a drain to Ray node {drained[:6]}, " in text, text
+    finally:
+        k.shutdown()
+        _nothing_left()
+        ray_cluster.kill_node(raylet)

@@ -101,9 +101,20 @@ def save_when_preempted(folder: str):
     return {"step": step, "saw": nblaunch.preempted()}
 
 
+def save_when_preempted_say_pid(folder: str):
+    """``save_when_preempted``, each rank's pid in its file (for a SIGTERM from outside)."""
+    import torch.distributed as dist
+
+    with open(os.path.join(folder, f"pid{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    return save_when_preempted(folder)
+
+
 def ignore_preemption(folder: str):
     import torch.distributed as dist
 
+    with open(os.path.join(folder, f"pid{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
     open(os.path.join(folder, f"up{dist.get_rank()}"), "w").close()
     bar = nblaunch.progress(total=10_000, desc="train")
     while True:
@@ -164,7 +175,7 @@ def _signal_when_up(folder, n: int, sig: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM])  # SIGUSR1: on a real kernel below
 def test_a_preemption_signal_to_the_kernel_lets_every_rank_save_and_return(tmp_path, capsys, sig):
     import torch.distributed.checkpoint as dcp
     import torch
@@ -205,6 +216,69 @@ def test_the_grace_is_not_cut_short(tmp_path):
     assert time.monotonic() - t0 >= 4.0
 
 
+def test_sigterm_from_outside_to_every_rank_is_a_notice_not_a_stop(tmp_path, capsys):
+    """What SLURM does on preemption, scancel and the time limit: SIGTERM to
+    every process of the step (here the ``kill`` command, neither the kernel
+    nor a rank), SIGKILL only later. The ranks take it as the notice, save
+    and return."""
+    import subprocess
+
+    def kill_when_up():
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)]
+        subprocess.run(["kill", "-TERM", *pids], check=True, timeout=20)
+
+    threading.Thread(target=kill_when_up, daemon=True).start()
+    results = nblaunch.notebook_launcher(save_when_preempted_say_pid, (str(tmp_path),), num_processes=2,
+                                         display="text")
+    assert [r["saw"] for r in results] == [True, True]
+    assert results[0]["step"] == results[1]["step"] > 0
+    assert "preempted (SIGTERM to rank " in capsys.readouterr().out
+    # nblaunch's own SIGTERM still ends a rank at once, even blocked in a
+    # collective: test_launch.py::test_peers_blocked_in_a_collective_stop_on_sigterm...
+
+
+def test_ranks_that_the_job_kills_before_the_grace_is_over_are_preempted_not_failed(tmp_path):
+    """SLURM's SIGKILL comes KillWait after its SIGTERM, whatever the grace:
+    ranks still saving are then killed, and the verdict is ``Preempted``."""
+    import subprocess
+
+    def as_slurm_does():
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)]
+        subprocess.run(["kill", "-TERM", *pids], check=True, timeout=20)
+        time.sleep(1.0)  # KillWait
+        subprocess.run(["kill", "-KILL", *pids], check=True, timeout=20)
+
+    threading.Thread(target=as_slurm_does, daemon=True).start()
+    with pytest.raises(Preempted) as info:
+        nblaunch.notebook_launcher(ignore_preemption, (str(tmp_path),), num_processes=2, preempt_grace=60,
+                                   display="none")
+    assert "the launch was preempted (SIGTERM to rank " in str(info.value)
+    assert "ranks 0, 1 were ended before the 60 s grace (preempt_grace) was over" in str(info.value)
+    assert isinstance(info.value.__cause__, WorkerError)
+
+
+def test_a_signal_the_kernel_handles_in_c_is_left_to_it():
+    """faulthandler.register(SIGUSR1), a stack dump many set in their kernel,
+    is not taken over (signal.getsignal does not see it) nor lost."""
+    import faulthandler
+
+    from nblaunch.preempt import Catcher
+
+    faulthandler.register(signal.SIGUSR1)
+    try:
+        catcher = Catcher(1.0)
+        with catcher:
+            assert signal.SIGUSR1 not in catcher._previous and signal.SIGTERM in catcher._previous
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+
+
 def test_preempted_is_false_outside_a_rank():
     assert nblaunch.preempted() is False
 
@@ -233,7 +307,7 @@ def test_good_resilience_settings_are_kept():
     assert (c.min_nodes, c.preempt_grace) == (2, 0)
 
 
-def test_sigterm_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
+def test_sigterm_or_sigusr1_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
     """What SLURM's preemption sends to the job's processes (the kernel among
     them): the ranks save and return, the cell shows it, and the kernel, its
     own SIGTERM handling restored, serves the next cell."""
@@ -261,5 +335,20 @@ print("returned", len(res), res[0] == res[1])""")
         assert r.error is None, r.error
         assert "preempted (SIGTERM to the kernel): saving" in r.text and "returned 2 True" in r.text, r.text
         assert k.execute("import signal; print(signal.getsignal(signal.SIGTERM))").error is None
+        # SIGUSR1 (sbatch --signal=USR1@60 on a job running Jupyter) is a
+        # notice too where nothing in the kernel takes it: this test kernel
+        # registered faulthandler on it, which stays its own until it lets go.
+        for name in ("up0", "up1"):
+            os.remove(tmp_path / name)
+        msg = k.execute_async("import faulthandler, signal; faulthandler.unregister(signal.SIGUSR1)\n"
+                              f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), "
+                              "num_processes=2, display='text')\nprint('returned', len(res), res[0] == res[1])")
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("up")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(k.pid, signal.SIGUSR1)
+        r = k.wait_for_reply(msg, timeout=120)
+        assert r.error is None, r.error
+        assert "preempted (SIGUSR1 to the kernel): saving" in r.text and "returned 2 True" in r.text, r.text
     finally:
         k.shutdown()

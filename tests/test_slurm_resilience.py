@@ -173,6 +173,34 @@ def test_scancel_signal_usr1_on_the_step_lets_every_rank_on_every_node_return(th
     assert "preempted (SIGUSR1 to the agent on n" in text, text
 
 
+def _agents_step(job: str) -> str:
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
+                           timeout=20).stdout.splitlines()
+    step = [line.split()[0] for line in steps if "nblaunch-agents" in line]
+    assert step, steps
+    return step[0]
+
+
+@needs_three
+def test_scancel_of_the_job_is_a_notice_every_rank_saves_on_before_slurms_sigkill(three_nodes, tmp_path):
+    """``scancel JOB`` (as preemption and the time limit do): SLURM sends
+    SIGTERM to every process of the job's steps, agents and ranks alike,
+    and SIGKILL KillWait (5 s here) later. The ranks take it as the notice,
+    agree on a step and return before the SIGKILL. (``scancel STEP`` is a
+    SIGKILL at once: a lost node, test_slurm.py.)"""
+    job, k = three_nodes
+    _ok(k.execute(PREEMPTED))
+    msg = k.execute_async(f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), num_processes=1, "
+                          "cluster='slurm', display='text')\nprint(list(res))")
+    _wait_files(tmp_path, "up-", 3)
+    subprocess.run(["scancel", job], check=True, timeout=20)
+    text = _ok(k.wait_for_reply(msg, timeout=120))
+    found = re.findall(r"\((\d), (\d+), '(n\d)'\)", text)
+    assert [(r, h) for r, _, h in found] == [("0", "n1"), ("1", "n2"), ("2", "n3")], text
+    assert len({s for _, s, _ in found}) == 1, text
+    assert re.search(r"preempted \(SIGTERM to (the agent on|rank \d on) n\d\): saving", text), text
+
+
 @needs_three
 def test_live_ranks_that_lose_a_node_are_restarted_on_the_nodes_still_up(three_nodes):
     job, k = three_nodes

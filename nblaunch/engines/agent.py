@@ -9,8 +9,9 @@ fresh process that never ran OpenMP or CUDA), and then relays: what the
 ranks send and print goes to the kernel as the pool reports it, and the
 kernel's verbs (send, signal, interrupt, stacks, stop, drain, close) are
 applied to the pool. When the kernel goes away (its connection closes, the
-kernel was killed) or SLURM ends the step (SIGTERM), it stops its ranks and
-leaves: nothing outlives the launch on any node.
+kernel was killed) or the step is interrupted (SIGINT), it stops its ranks
+and leaves: nothing outlives the launch on any node. SIGTERM and SIGUSR1
+(SLURM's notice that the job ends) are passed on as a preemption notice.
 """
 from __future__ import annotations
 
@@ -230,12 +231,18 @@ def main(argv: Optional[list] = None) -> int:
                             "(a cancelled SLURM job or step, a Ray actor that was killed)")
 
     def preempt(signum, frame) -> None:
-        if agent is not None and agent.preempting is None:
+        if agent is not None and agent.pool is None:  # no ranks yet: nothing to save
+            end(signum, frame)
+        elif agent is not None and agent.preempting is None:
             agent.preempting = signal.Signals(signum).name
 
-    signal.signal(signal.SIGTERM, end)
+    # SIGTERM is never nblaunch's: the kernel ends an agent over the link, or
+    # with SIGKILL (srun's double SIGINT, a Ray actor's kill). It is what SLURM
+    # sends every process of a step on preemption, scancel and the time limit,
+    # SIGKILL following after KillWait: a notice, as scancel --signal=USR1 and
+    # --signal=USR1@60 are; every rank of the job is told.
+    signal.signal(signal.SIGTERM, preempt)
     signal.signal(signal.SIGINT, end)
-    # scancel --signal=USR1 and --signal=USR1@60: the job ends soon; every rank is told.
     signal.signal(signal.SIGUSR1, preempt)
     # A Ray worker starts its children with SIGINT blocked; ranks inherit the
     # mask, and a blocked SIGINT is the stop button doing nothing.

@@ -170,6 +170,8 @@ class AgentPool(RankPool):
     # -- reading -----------------------------------------------------------------
 
     def poll(self, timeout: float) -> list:
+        if self.preempting is None and self._step is not None:
+            self.preempting = self._step.preempting()
         out, self._buffer = self._buffer, []
         out += self._read(0 if out else timeout)
         return out

@@ -39,6 +39,12 @@ class AgentStep(abc.ABC):
     def end(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the agents to leave, then end them."""
 
+    def preempting(self) -> Optional[tuple]:
+        """``(what, where)`` once the engine says a node is about to be taken
+        (Ray: a node being drained); None until then. Called every poll: a
+        kind that must ask a service asks it at its own pace."""
+        return None
+
 
 class AgentEngine(Engine):
     """Ranks on the nodes of a cluster, through one agent per node

@@ -168,7 +168,7 @@ class RankPool(abc.ABC):
     def preempt(self, why: str) -> None:
         """Tell every rank the job is preempted (``nblaunch.preempted()``
         turns true): a file in the folder of the ranks' own files."""
-        from ..preempt import write_notice
+        from ..rank.notice import write_notice
 
         write_notice(str(self.log_dir), why)
 

@@ -15,6 +15,9 @@ SLURM. What Ray does differently, and what is done about it:
   a ``RankFailure`` naming the node. The actors are owned by the kernel's
   Ray driver, so a killed kernel takes them (and, through the agents, the
   ranks) with it; ``close()`` kills them and removes the placement group.
+* A node being drained (Ray's autoscaler before a spot node is reclaimed,
+  ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) is a preemption
+  notice to every rank, as SLURM's SIGTERM is (:mod:`nblaunch.preempt`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ __all__ = ["Ray", "RayEngine"]
 
 PLACEMENT_WAIT_S = 120.0
 PLACEMENT_QUIET_S = 1.0  # a placement this quick (the usual case) is not worth a notice
+DRAIN_POLL_S = 1.0  # how often the kernel asks Ray whether one of the launch's nodes is being drained
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ class RayEngine(AgentEngine):
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._pg, placement_group_bundle_index=i)).remote() for i in range(self._want)]
         runs = [a.run.remote(environ, i, os.getcwd()) for i, a in enumerate(actors)]
-        return _Actors(actors, runs)
+        return _Actors(actors, runs, _bundle_nodes(self._pg))
 
     def close(self) -> None:
         if self._pg is not None:
@@ -179,6 +183,24 @@ class RayEngine(AgentEngine):
             except Exception:  # noqa: BLE001 - the cluster may be gone already
                 pass
             self._pg = None
+
+
+def _bundle_nodes(pg) -> list:
+    """The Ray node id (hex) of each bundle of a ready placement group."""
+    from ray.util import placement_group_table
+
+    where = placement_group_table(pg).get("bundles_to_node_id", {})
+    return [where.get(i, "") for i in range(len(where))]
+
+
+def _draining() -> dict:
+    """Ray's nodes being drained, ``node id (hex) -> deadline (ms since the
+    epoch, 0: none)``: what Ray's autoscaler asks on a spot reclaim, and
+    ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``. Ray has no
+    public call for it; Ray Train's own preemption watcher reads this one."""
+    from ray._private import state
+
+    return state.state.get_draining_nodes() or {}
 
 
 class _AgentActor:
@@ -213,9 +235,27 @@ class _Actors(AgentStep):
 
     what = "Ray actors"
 
-    def __init__(self, actors: list, runs: list):
-        self._actors, self._runs = actors, runs
+    def __init__(self, actors: list, runs: list, nodes: list):
+        self._actors, self._runs, self._nodes = actors, runs, nodes
         self._done: dict = {}
+        self._drain_check = 0.0
+
+    def preempting(self) -> Optional[tuple]:
+        """One of the agents' nodes is being drained (asked once a second)."""
+        now = time.monotonic()
+        if now < self._drain_check:
+            return None
+        self._drain_check = now + DRAIN_POLL_S
+        try:
+            draining = _draining()
+        except Exception:  # noqa: BLE001 - a GCS hiccup: asked again next time
+            return None
+        for node in self._nodes:
+            if node in draining:
+                deadline = draining[node] / 1000 - time.time() if draining[node] else None
+                left = f", {deadline:.0f} s before it is taken" if deadline is not None else ""
+                return "a drain", f"Ray node {node[:6]}{left}"
+        return None
 
     def _collect(self, timeout: float = 0.0) -> None:
         ray = _ray()

@@ -160,6 +160,10 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
     # the zygote, and its ranks take their own groups.
     os.setpgid(0, 0)
     rank_setup.prepare_for_ranks(ranks[0][0])
+    # SLURM's SIGTERM reaches every process of the step; the zygote (never
+    # stopped with SIGTERM by nblaunch) outlives it, and its ranks are born
+    # with it blocked (rank.term tells a notice from nblaunch's stop).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     me = os.getpid()
     children: dict[int, int] = {}
     for i, (spec, job, go, events, output) in enumerate(ranks):

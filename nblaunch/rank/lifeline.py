@@ -11,10 +11,10 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Callable, Optional
 
 from .. import linux
+from . import term
 
 __all__ = ["default_stop_signals", "watch_parent", "lead_own_group", "end_children"]
 
@@ -60,7 +60,7 @@ def watch_parent(kernel_pid: int, parent: int) -> None:
 
     def poll() -> None:
         while alive():
-            time.sleep(_PARENT_POLL_S)
+            term.pause(_PARENT_POLL_S)  # and takes SIGTERM meanwhile
             # The janitor costs a fresh interpreter per rank (40 ms of a
             # 2-rank launch on 2 CPUs, measured), so it starts only once
             # the rank has a child to look after.

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 from .. import linux
 from ..progress import begin_rank, finish_call, new_call
-from ..wire.channel import CLOSE, RELEASE, Answer, Call, EventSender, Phase, Result, Started
-from . import debugger, lifeline, setup as rank_setup, stacks
+from ..wire.channel import CLOSE, RELEASE, Answer, Call, EventSender, Phase, Preempting, Result, Started
+from . import debugger, lifeline, setup as rank_setup, stacks, term
 from .interrupts import CallInterrupt, group_seq
 from .results import check_size, dump_result, report
 
@@ -82,6 +82,8 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     the process that started this one, when it may already be gone (a rank
     forked by :mod:`nblaunch.engines.zygote`)."""
     global _current
+    # Before any thread: SIGTERM is nblaunch's stop or the job's end, told apart by its sender.
+    term.block(spec.kernel_pid, os.path.dirname(spec.stack_file) if spec.stack_file else "")
     prepared = rank_setup.prepared()  # by a zygote, before it forked this rank
     if prepared is None:
         lifeline.default_stop_signals()
@@ -97,6 +99,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
         stacks.register(spec.stack_file)
     sender = EventSender(events)
     local = spec.local_rank
+    term.watch(lambda sig, by: sender.send(Preempting(local, sig, by)))
     begin_rank(sender, local)
     made_group = False
     try:

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Optional, Union
 
 __all__ = ["RELEASE", "CLOSE", "Interrupt", "Call", "Answer", "Started", "Result", "Failure", "Progress", "Metrics",
-           "GpuMemory", "Stopping", "Phase", "Prompt", "Paused", "Event", "EventSender", "EventReader", "decode",
+           "GpuMemory", "Stopping", "Phase", "Prompt", "Paused", "Preempting", "Event", "EventSender", "EventReader", "decode",
            "ROUTINE"]
 
 
@@ -149,6 +149,17 @@ class Stopping:
 
 
 @dataclass(frozen=True)
+class Preempting:
+    """SIGTERM reached the rank from outside nblaunch (``by``: the sender's
+    pid): SLURM's preemption, ``scancel``, the time limit. The kernel tells
+    every rank (:mod:`nblaunch.rank.term`)."""
+
+    rank: int
+    signal: str
+    by: int = 0
+
+
+@dataclass(frozen=True)
 class Prompt:
     """A rank's debugger waits for a command: ``text`` is what it printed
     since its last prompt, ``prompt`` the prompt itself. The rank then waits
@@ -180,7 +191,7 @@ class Answer:
     line: Optional[str]
 
 
-Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused]
+Event = Union[Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused, Preempting]
 
 
 class EventSender:
@@ -197,7 +208,7 @@ class EventSender:
             self._conn.send_bytes(data)
 
 
-_EVENTS = (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused)
+_EVENTS = (Started, Result, Failure, Progress, Metrics, GpuMemory, Stopping, Phase, Prompt, Paused, Preempting)
 #: What a rank reports as it goes (its bars, metrics, GPU memory): the view
 #: wants the latest, and nothing waits on it. Every other event decides
 #: something (a result, a failure, a debugger prompt) and is read at once.
