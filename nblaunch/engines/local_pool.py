@@ -78,7 +78,8 @@ class LocalPool(RankPool):
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
             if forks_by_zygote:
-                kernel_ends = [end for end in self._ends if end not in self._child_ends]
+                ranks_ends = set(self._child_ends)  # a set: a list's `in` made this grow with the square of the world
+                kernel_ends = [end for end in self._ends if end not in ranks_ends]
                 self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
                                                  zip(self._procs, self._rank_ends)], kernel_ends)
                 for p, forked in zip(self._procs, self._zygote.ranks):
