@@ -624,6 +624,8 @@ def main(argv=None) -> int:
         else:
             (opts.out / "slope.json").write_text(json.dumps(record, indent=2))
             print(f"wrote {opts.out / 'slope.json'}")
+        if "slope" in summary:
+            slope.plot(summary["slope"], slope_sizes, HERE.parent / "docs" / "launch-slope.png")
     return 0
 
 

@@ -122,5 +122,31 @@ def table(result: dict, sizes) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, sizes, path) -> None:
+    """Launch time against ranks, each launcher's medians and its fitted line, one panel per job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = [job for job in JOBS if job in result]
+    fig, axes = plt.subplots(1, len(jobs), figsize=(6 * len(jobs), 4), squeeze=False)
+    for ax, job in zip(axes[0], jobs):
+        r = result[job]
+        for name, color in zip(LAUNCHERS, ("#1565c0", "#c62828", "#2e7d32")):
+            f = r["fit"][name]
+            ax.plot(sizes, [r["median_s"][name][n] for n in sizes], "o", color=color,
+                    label=f"{name}: {1000 * f['per_rank_s']:.1f} ms per added rank")
+            ax.plot(sizes, [f["fixed_s"] + f["per_rank_s"] * n for n in sizes], "-", color=color, alpha=0.5)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("call -> return, median (s)")
+        ax.set_title("no process group" if job == "none" else "gloo group + one all_reduce")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 if __name__ == "__main__":
     sys.exit("run it through bench/run.py (--slope-sizes)")

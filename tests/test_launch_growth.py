@@ -87,7 +87,7 @@ def test_a_forked_rank_closes_the_other_ranks_pipes_in_a_few_calls_whatever_the_
 
 def test_an_agents_generation_comes_from_one_zygote_and_only_a_kernels_small_first_one_skips_it(monkeypatch):
     """A node agent (not a kernel) builds its pool with the zygote, as does
-    a kernel's second generation or a first one above 8 ranks."""
+    a kernel's second generation or a first one above ``FIRST_DIRECT_MAX_RANKS``."""
     config = LaunchConfig(2, start_method="fork", display="none")
     plan = plan_ranks(config)
     pools = []

@@ -17,7 +17,7 @@ __all__ = ["LocalEngine", "FIRST_DIRECT_MAX_RANKS"]
 
 #: A notebook kernel's first forked generation of at most this many ranks
 #: forks them itself rather than through a zygote (see ``LocalEngine.new_pool``).
-FIRST_DIRECT_MAX_RANKS = 8
+FIRST_DIRECT_MAX_RANKS = 3
 _forked_before = False  # this process has started a forked generation
 
 
@@ -58,8 +58,9 @@ class LocalEngine(Engine):
         against torch's 60 ms. So a kernel's first forked generation of up to
         :data:`FIRST_DIRECT_MAX_RANKS` ranks is forked by the starter thread
         directly (each rank then copies about 1.7 MiB more of the kernel's
-        pages, once); every later or larger one comes from a zygote. A node
-        agent (not a kernel) always uses the zygote."""
+        pages, once); every later or larger one comes from a zygote, which
+        from 4 ranks on is the faster too (it sets up once what each rank
+        would: bench/README.md). A node agent (not a kernel) always uses it."""
         global _forked_before
         direct = (self.plan.forked and not _forked_before and _in_kernel()
                   and self.config.num_processes <= FIRST_DIRECT_MAX_RANKS)
