@@ -622,7 +622,9 @@ def main(argv=None) -> int:
             plot(summary, sizes, opts.out / "launch.png")
             print(f"wrote {opts.out / 'launch.json'} and {opts.out / 'launch.png'}")
         else:
-            (opts.out / "slope.json").write_text(json.dumps(record, indent=2))
+            path = opts.out / "slope.json"  # the parts run now replace theirs; the others' are kept
+            kept = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**kept, **record}, indent=2))
             print(f"wrote {opts.out / 'slope.json'}")
         if "slope" in summary:
             slope.plot(summary["slope"], slope_sizes, HERE.parent / "docs" / "launch-slope.png")
