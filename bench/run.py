@@ -199,11 +199,11 @@ def measure_relaunch(reps) -> dict:
         kernel.close()
 
 
-def measure_slope(sizes, reps: int) -> dict:
+def measure_slope(sizes, reps: int, jobs=slope.JOBS) -> dict:
     """bench/slope.py's sweep, in one kernel of its own."""
     kernel = GuardedKernel(SETUP + slope.SETUP)
     try:
-        result = slope.measure(kernel, sizes, slope.reps_for(sizes, reps))
+        result = slope.measure(kernel, sizes, slope.reps_for(sizes, reps), jobs)
         result["hangs"] = kernel.hangs
         return result
     finally:
@@ -597,6 +597,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slope-sizes", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--slope-reps", type=int, default=5)
+    parser.add_argument("--slope-jobs", nargs="+", choices=slope.JOBS, default=list(slope.JOBS))
     parser.add_argument("--first-reps", type=int, default=9)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -606,7 +607,7 @@ def main(argv=None) -> int:
     parts = set(opts.parts)
     summary: dict = {}
     if "slope" in parts:
-        summary["slope"] = measure_slope(slope_sizes, slope_reps)
+        summary["slope"] = measure_slope(slope_sizes, slope_reps, opts.slope_jobs)
         print(slope.table(summary["slope"], slope_sizes))
     if "first" in parts:
         summary["first_launch_2_ranks"] = fl = measure_first_launch(1 if opts.smoke else opts.first_reps)
