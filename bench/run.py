@@ -8,6 +8,10 @@ of them alike; we report medians and ratios, not absolute seconds.
 
     python bench/run.py                 # full: 2, 4, 8 ranks, 15 repetitions
     python bench/run.py --smoke         # CI: 2 ranks, 1 repetition, a small tensor
+    python bench/run.py --parts slope first   # only those parts, into results/slope.json
+
+The per-added-rank sweep (bench/slope.py): 2 to 256 ranks, with and
+without a process group, a least-squares slope per launcher.
 
 Besides launch time: relaunch (cold and warm forkserver), failure latency,
 spawn (where each launcher can run it at all) and memory (4 ranks given a
@@ -27,6 +31,8 @@ import time
 from pathlib import Path
 
 from jupyter_client.manager import KernelManager
+
+import slope
 
 HERE = Path(__file__).resolve().parent
 LAUNCHERS = ("nblaunch", "torch_fork", "accelerate")
@@ -189,6 +195,17 @@ def measure_relaunch(reps) -> dict:
         return {"cold_forkserver_s": cold, "warm_forkserver_s": statistics.median(warm),
                 "fork_s": statistics.median(fork),
                 "warm/fork": statistics.median(warm) / statistics.median(fork)}
+    finally:
+        kernel.close()
+
+
+def measure_slope(sizes, reps: int, jobs=slope.JOBS) -> dict:
+    """bench/slope.py's sweep, in one kernel of its own."""
+    kernel = GuardedKernel(SETUP + slope.SETUP)
+    try:
+        result = slope.measure(kernel, sizes, slope.reps_for(sizes, reps), jobs)
+        result["hangs"] = kernel.hangs
+        return result
     finally:
         kernel.close()
 
@@ -577,24 +594,63 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="2 ranks, 1 repetition (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--slope-sizes", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--slope-reps", type=int, default=5)
+    parser.add_argument("--slope-jobs", nargs="+", choices=slope.JOBS, default=list(slope.JOBS))
+    parser.add_argument("--first-reps", type=int, default=9)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     opts = parser.parse_args(argv)
     sizes, reps = ([2], 1) if opts.smoke else (opts.sizes, opts.reps)
+    slope_sizes, slope_reps = ([2, 4], 1) if opts.smoke else (opts.slope_sizes, opts.slope_reps)
+    parts = set(opts.parts)
+    summary: dict = {}
+    if "slope" in parts:
+        summary["slope"] = measure_slope(slope_sizes, slope_reps, opts.slope_jobs)
+        print(slope.table(summary["slope"], slope_sizes))
+    if "first" in parts:
+        summary["first_launch_2_ranks"] = fl = measure_first_launch(1 if opts.smoke else opts.first_reps)
+        print(f"first launch in a fresh kernel, 2 ranks: nblaunch {fl['nblaunch_s']:.3f} s, torch fork "
+              f"{fl['torch_fork_s']:.3f} s, ratio {fl['nblaunch/torch_fork']:.2f} (goal <= 1.3)")
+    if "launch" in parts:
+        _launch_parts(summary, sizes, reps, opts.smoke)
+    if not opts.smoke:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        record = {"versions": versions(), "reps": reps, "slope_reps": slope_reps, **summary}
+        if parts == set(PARTS):
+            (opts.out / "launch.json").write_text(json.dumps(record, indent=2))
+            plot(summary, sizes, opts.out / "launch.png")
+            print(f"wrote {opts.out / 'launch.json'} and {opts.out / 'launch.png'}")
+        else:
+            path = opts.out / "slope.json"  # the parts run now replace theirs; the others' are kept
+            kept = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**kept, **record}, indent=2))
+            print(f"wrote {opts.out / 'slope.json'}")
+        if "slope" in summary:
+            slope.plot(summary["slope"], slope_sizes, HERE.parent / "docs" / "launch-slope.png")
+    return 0
+
+
+PARTS = ("slope", "first", "launch")
+
+
+def _launch_parts(summary: dict, sizes, reps: int, smoke: bool) -> None:
+    """The launch bench at ``sizes``, relaunch, failures, spawn and memory."""
     times = measure(sizes, reps)
-    summary = summarise(times, sizes)
+    summary["raw_s"] = times
+    summary.update(summarise(times, sizes))
     summary["relaunch_2_ranks"] = measure_relaunch(reps)
-    summary["first_launch_2_ranks"] = measure_first_launch(1 if opts.smoke else 5)
     summary["failure_latency_s"] = measure_failure(reps)
-    summary["spawn_2_ranks"] = measure_spawn(1 if opts.smoke else 3)
-    summary["memory"] = measure_memory(64 if opts.smoke else 1024, 2 if opts.smoke else 4)
-    summary["fork_memory"] = measure_fork_memory(64 if opts.smoke else 1024, sizes)
+    summary["spawn_2_ranks"] = measure_spawn(1 if smoke else 3)
+    summary["memory"] = measure_memory(64 if smoke else 1024, 2 if smoke else 4)
+    summary["fork_memory"] = measure_fork_memory(64 if smoke else 1024, sizes)
     summary["per_added_rank_s"] = per_added_rank(summary, sizes)
     print(table(summary, sizes))
     added = summary["per_added_rank_s"]
     if added:
         print("launch cost per added rank: " + ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in added.items())
-              + f"; nblaunch / torch fork {added['nblaunch'] / added['torch_fork']:.2f} (goal <= 1.1)")
+              + f"; nblaunch / torch fork {added['nblaunch'] / added['torch_fork']:.2f}")
     if times["hangs"]:
         print(f"hung (timed out after {CALL_TIMEOUT_S:g} s, not counted): {times['hangs']}")
     rl = summary["relaunch_2_ranks"]
@@ -602,9 +658,6 @@ def main(argv=None) -> int:
           f"{rl['warm_forkserver_s']:.3f} s, fork {rl['fork_s']:.3f} s, warm/fork {rl['warm/fork']:.2f}")
     print()
     print(failure_table(summary["failure_latency_s"]))
-    fl = summary["first_launch_2_ranks"]
-    print(f"first launch in a fresh kernel, 2 ranks: nblaunch {fl['nblaunch_s']:.3f} s, torch fork "
-          f"{fl['torch_fork_s']:.3f} s, ratio {fl['nblaunch/torch_fork']:.2f} (goal <= 1.5)")
     sp = summary["spawn_2_ranks"]
     print(f"spawn, 2 ranks: nblaunch (notebook fn) {sp['nblaunch_spawn_notebook_fn_s']:.3f} s, torch "
           f"(importable fn) {sp['torch_spawn_module_fn_s']:.3f} s, ratio {sp['nblaunch/torch_spawn']:.2f}; "
@@ -613,13 +666,6 @@ def main(argv=None) -> int:
     print(memory_table(summary["memory"]))
     print()
     print(fork_memory_table(summary["fork_memory"]) + "\n(goal: nblaunch / torch fork <= 1.2)")
-    if not opts.smoke:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        record = {"versions": versions(), "reps": reps, "raw_s": times, **summary}
-        (opts.out / "launch.json").write_text(json.dumps(record, indent=2))
-        plot(summary, sizes, opts.out / "launch.png")
-        print(f"wrote {opts.out / 'launch.json'} and {opts.out / 'launch.png'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ Runs inside an allocation of two nodes (``SLURM_JOB_ID``), or makes one
 two-node cluster on this machine.
 
     python bench/slurm.py            # 5 alternating rounds, about 1 minute
-    python bench/slurm.py --smoke    # one round (CI)
+    python bench/slurm.py --smoke    # one round (CI), and the node sweep at 2 and 3 nodes
+    python bench/slurm.py --nodes 2 4 6 8   # also the cost per added node (bench/slurm_sweep.py),
+                                            # on a private cluster of 8 nodes started for it
 """
 from __future__ import annotations
 
@@ -90,8 +92,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one round (CI)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nodes", type=int, nargs="+", help="node counts of the per-added-node sweep")
+    parser.add_argument("--sweep-rounds", type=int, default=3)
+    parser.add_argument("--sweep-only", action="store_true", help="only the node sweep")
     opts = parser.parse_args()
     rounds = 1 if opts.smoke else opts.rounds
+    sizes = [2, 3] if opts.smoke and not opts.nodes else opts.nodes
+    if sizes:
+        import slurm_sweep
+
+        per_node = slurm_sweep.sweep(sizes, 1 if opts.smoke else opts.sweep_rounds, TRAIN, all_reduce)
+        print(slurm_sweep.table(per_node), flush=True)
+        if not opts.smoke:
+            (HERE / "results" / "slurm_nodes.json").write_text(json.dumps(per_node, indent=2) + "\n")
+        if opts.sweep_only:
+            return
     import torch  # noqa: F401 - a notebook has it imported before it launches
 
     ours = None

@@ -4,6 +4,7 @@
 :class:`~nblaunch.engines.local_pool.LocalPool`."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from . import inflight
@@ -12,7 +13,12 @@ from .local_pool import LocalPool
 from .nodes import SingleNode
 from .plan import plan_ranks
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "FIRST_DIRECT_MAX_RANKS"]
+
+#: A notebook kernel's first forked generation of at most this many ranks
+#: forks them itself rather than through a zygote (see ``LocalEngine.new_pool``).
+FIRST_DIRECT_MAX_RANKS = 3
+_forked_before = False  # this process has started a forked generation
 
 
 class LocalEngine(Engine):
@@ -44,7 +50,23 @@ class LocalEngine(Engine):
         return super().job(fn, args, kwargs)
 
     def new_pool(self, job: Any, attempt: int) -> LocalPool:
-        return LocalPool(self.plan, self.nodes, job=job, attempt=attempt)
+        """A forked generation's ranks come from one zygote, a copy of the
+        kernel made ready to be a rank once (memory: each rank shares that
+        work's pages). Making it is one more fork of the whole kernel on the
+        launch's way (about 30 ms with torch imported), which a notebook's
+        first launch, the one a user waits for with nothing warm, pays
+        against torch's 60 ms. So a kernel's first forked generation of up to
+        :data:`FIRST_DIRECT_MAX_RANKS` ranks is forked by the starter thread
+        directly (each rank then copies about 1.7 MiB more of the kernel's
+        pages, once); every later or larger one comes from a zygote, which
+        from 4 ranks on is the faster too (it sets up once what each rank
+        would: bench/README.md). A node agent (not a kernel) always uses it."""
+        global _forked_before
+        direct = (self.plan.forked and not _forked_before and _in_kernel()
+                  and self.config.num_processes <= FIRST_DIRECT_MAX_RANKS)
+        if self.plan.forked:
+            _forked_before = True
+        return LocalPool(self.plan, self.nodes, job=job, attempt=attempt, zygote=not direct)
 
     def close(self) -> None:
         try:
@@ -53,3 +75,10 @@ class LocalEngine(Engine):
             if self._counted:
                 self._counted = False
                 inflight.leave()
+
+
+def _in_kernel() -> bool:
+    """This process is a Jupyter kernel (as ``view.base.in_kernel`` says)."""
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None

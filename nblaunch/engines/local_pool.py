@@ -55,9 +55,10 @@ class LocalPool(RankPool):
     ``job`` is the launch's one call, given at start (the ranks of a live
     session get theirs over the control pipe instead: None). ``nodes`` places
     this node's ranks in the job (:mod:`nblaunch.engines.nodes`); ``attempt`` counts
-    restarts."""
+    restarts. ``zygote``: forked ranks come from one zygote (False: each is
+    forked by the starter thread itself, see :mod:`nblaunch.engines.local`)."""
 
-    def __init__(self, plan, nodes: Nodes, job: Any = None, attempt: int = 0):
+    def __init__(self, plan, nodes: Nodes, job: Any = None, attempt: int = 0, zygote: bool = True):
         self._nodes = nodes
         self._attempt = attempt
         self.log_dir, self.notice = new_launch_dir()
@@ -74,12 +75,13 @@ class LocalPool(RankPool):
         self._zygote: Optional[Zygote] = None
         self._method = plan.method
         self._pipes: Optional[PoolPipes] = None  # every rank's pipes, once all are started
-        forks_by_zygote = zygote_usable(plan.method)
+        forks_by_zygote = zygote and zygote_usable(plan.method)
         try:
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
             if forks_by_zygote:
-                kernel_ends = [end for end in self._ends if end not in self._child_ends]
+                ranks_ends = set(self._child_ends)  # a set: a list's `in` made this grow with the square of the world
+                kernel_ends = [end for end in self._ends if end not in ranks_ends]
                 self._zygote = Zygote(plan.ctx, [(p.spec, job, *ends) for p, ends in
                                                  zip(self._procs, self._rank_ends)], kernel_ends)
                 for p, forked in zip(self._procs, self._zygote.ranks):

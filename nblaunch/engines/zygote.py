@@ -100,9 +100,8 @@ class Zygote:
         pipes = [os.pipe() for _ in ranks]
         self.ranks = [ZygoteRank(r) for r, _ in pipes]
         self._writes = [w for _, w in pipes]
-        others = [[end for j, rank in enumerate(ranks) if j != i for end in rank[2:]] for i in range(len(ranks))]
         kernel_only = [*kernel_ends, *(r for r, _ in pipes)]
-        self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only, others),
+        self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only),
                                  name="nblaunch-zygote", daemon=False)
 
     def start(self, timeout: float = 60.0) -> None:
@@ -148,7 +147,7 @@ class Zygote:
             pass
 
 
-def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list, others: list[list]) -> None:
+def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list) -> None:
     """The zygote's whole life (see module doc). ``parent``: the kernel (or
     the node agent) that started it."""
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -165,6 +164,7 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
     # with it blocked (rank.term tells a notice from nblaunch's stop).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     me = os.getpid()
+    inherited = fd_spans([*writes, *(_fd(end) for rank in ranks for end in rank[2:])])
     children: dict[int, int] = {}
     for i, (spec, job, go, events, output) in enumerate(ranks):
         try:
@@ -172,7 +172,7 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
         except OSError:
             break  # the kernel reads no pid for this rank and the rest, and says so
         if pid == 0:
-            _become_rank_process(spec, job, go, events, output, me, writes + others[i])
+            _become_rank_process(spec, job, go, events, output, me, inherited, (go, events, output))
         children[pid] = i
         os.write(writes[i], _WORD.pack(pid))
     for i in set(range(len(writes))) - set(children.values()):
@@ -200,10 +200,48 @@ def _close(end) -> None:
         end.close()
 
 
-def _become_rank_process(spec, job, go, events, output, zygote: int, close: list) -> None:
+def _fd(end) -> int:
+    return end if isinstance(end, int) else end.fileno()
+
+
+def fd_spans(fds: list[int]) -> list[tuple[int, int]]:
+    """``fds`` as runs of consecutive numbers, ``(first, last + 1)``: the
+    pipes of a generation are made one after the other, so usually one run."""
+    spans: list[list[int]] = []
+    for fd in sorted(fds):
+        if spans and spans[-1][1] == fd:
+            spans[-1][1] = fd + 1
+        else:
+            spans.append([fd, fd + 1])
+    return [(lo, hi) for lo, hi in spans]
+
+
+def close_spans(spans: list[tuple[int, int]], keep: tuple) -> int:
+    """Close every fd in ``spans`` but those in ``keep``, in one
+    ``close_range`` call per run (not one call per fd: a rank of 256 would
+    otherwise close 1,000 fds one by one, which grows with the square of the
+    world across the ranks). Returns the number of calls made."""
+    calls = 0
+    kept = sorted(_fd(end) for end in keep)
+    for lo, hi in spans:
+        for fd in kept:
+            if lo <= fd < hi:
+                if lo < fd:
+                    os.closerange(lo, fd)
+                    calls += 1
+                lo = fd + 1
+        if lo < hi:
+            os.closerange(lo, hi)
+            calls += 1
+    return calls
+
+
+def _become_rank_process(spec, job, go, events, output, zygote: int, inherited: list, own: tuple) -> None:
     try:
-        for end in close:
-            _close(end)
+        # The other ranks' pipe ends (and their status pipes) are closed by
+        # number: their Connection objects stay referenced from the zygote's
+        # frame below this one until os._exit, so none closes a reused number.
+        close_spans(inherited, own)
         # What multiprocessing's start-up does for a forked Process.
         multiprocessing.current_process().name = f"nblaunch-rank{spec.local_rank}"
         util._run_after_forkers()
