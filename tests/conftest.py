@@ -5,6 +5,7 @@ import html
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -122,11 +123,16 @@ class Kernel:
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
         env.update(extra_env or {})
+        # Unix sockets, not TCP: jupyter_client picks five free ports and lets
+        # them go before the kernel binds them, and three test processes (and
+        # their ranks' rendezvous ports) starting kernels at once took one
+        # (CI: "Kernel died before replying to kernel_info").
+        self._ipc_dir = tempfile.mkdtemp(prefix="nblaunch-ipc-")
+        ipc = dict(kernel_name="python3", transport="ipc", ip=os.path.join(self._ipc_dir, "kernel"))
         if netns is None:
-            self.km = KernelManager(kernel_name="python3")
+            self.km = KernelManager(**ipc)
         else:
-            self.km = _PrefixedKernelManager(kernel_name="python3", transport="ipc",
-                                             ip=os.path.join(tempfile.mkdtemp(prefix="nblaunch-ipc-"), "kernel"))
+            self.km = _PrefixedKernelManager(**ipc)
             self.km.prefix = ["ip", "netns", "exec", netns]
         if console is None:  # kept, so that a test that times out can show where the kernel was
             fd, console = tempfile.mkstemp(prefix="nblaunch-kernel-console-", suffix=".log")
@@ -137,7 +143,12 @@ class Kernel:
         self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT)
         self.kc = self.km.client()
         self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        try:
+            self.kc.wait_for_ready(timeout=60)
+        except RuntimeError as exc:
+            self._console.flush()
+            with open(console, errors="replace") as f:
+                raise RuntimeError(f"{exc}; the kernel's console:\n{f.read()[-5000:]}") from exc
         # SIGUSR1 -> every thread's stack on the kernel's console (see _where_it_hangs).
         self.kc.execute_interactive("import faulthandler as _fh, signal as _sig, sys as _sys\n"
                                     "_fh.register(_sig.SIGUSR1, file=_sys.__stderr__, all_threads=True)",
@@ -231,6 +242,7 @@ class Kernel:
             self._console.close()
         if getattr(self, "_own_console", None) is not None:
             os.unlink(self._own_console)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 @dataclass
