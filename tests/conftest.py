@@ -19,6 +19,14 @@ from jupyter_client.manager import KernelManager
 START_METHODS = ["fork", "forkserver", "spawn"]
 
 
+def matrix(*values) -> list:
+    """Parameters that repeat a test under another start method (or moment,
+    or theme) where what it checks does not depend on it: marked ``matrix``, left out
+    of the README's ten-minute command and run by CI's own step
+    (``pytest -m matrix``). A tuple is one parameter set."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.matrix) for v in values]
+
+
 def _descendants() -> dict[int, psutil.Process]:
     me = psutil.Process()
     return {p.pid: p for p in me.children(recursive=True) if _is_ours(p)}

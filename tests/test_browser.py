@@ -305,6 +305,7 @@ def _contrast(css_a: str, css_b: str) -> float:
     return (high + 0.05) / (low + 0.05)
 
 
+@pytest.mark.matrix  # the live view again, in the dark theme; CI runs it (pytest -m matrix)
 def test_eight_ranks_in_the_dark_theme_and_the_saved_notebook_reopened(lab_dark, tmp_path):
     """Readable with 8 ranks in JupyterLab's dark theme (the screenshot is
     kept to look at), and the notebook saved the default way (no widget

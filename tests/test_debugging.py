@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import Kernel, launch_processes, rows_updates, wait_gone
+from conftest import Kernel, launch_processes, matrix, rows_updates, wait_gone
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -226,7 +226,7 @@ FAILING = (LAUNCH +
            "    dist.all_reduce(torch.ones(1))\n")
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_percent_debug_opens_the_failed_ranks_frames(kernel, method):
     s = Session(kernel, []).run(FAILING + f"notebook_launcher(train, num_processes=2, display='text', start_method={method!r})\n")
     assert s.error["ename"] == "WorkerError"

@@ -17,7 +17,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import wait_gone
+from conftest import matrix, wait_gone
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ways Linux starts a job"),
               pytest.mark.timeout(300)]
@@ -64,8 +64,8 @@ def _find(token: str, timeout: float = 60) -> psutil.Process:
     raise AssertionError("the launch never started")
 
 
-@pytest.mark.parametrize("case", ["nohup from a script that exits", "cron", "setsid", "subreaper",
-                                  "pid 1 of a container"])
+@pytest.mark.parametrize("case", ["nohup from a script that exits", "pid 1 of a container",
+                                  *matrix("cron", "setsid", "subreaper")])
 def test_a_launch_works_whatever_started_the_process(case, tmp_path):
     out, token = tmp_path / "result.json", f"nblaunch-test-{uuid.uuid4().hex}"
     argv, kwargs = _cases(out, token)[case]

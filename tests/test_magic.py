@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import matrix
+
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", *matrix("forkserver")])
 def test_cell_magic_runs_the_body_on_every_rank(kernel, method):
     assert kernel.execute("%load_ext nblaunch\nimport torch\nOFFSET = 10\n"
                           "def helper(v):\n    return v * 2\n").error is None

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import START_METHODS, Kernel, launch_processes, rows_updates, wait_gone, widget_html
+from conftest import Kernel, launch_processes, rows_updates, wait_gone, matrix, widget_html
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,7 +84,7 @@ def _notebook_bar_text():
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", *matrix("forkserver", "spawn")])
 def test_a_rank_sees_what_a_torchrun_rank_sees(nb, method):
     reply = nb.execute(LOOKS + textwrap.dedent(f"""
         os.environ["NBLAUNCH_LATE"] = "set after the first launch"   # forkserver must see it too
@@ -129,7 +129,7 @@ def tqdm_loops(kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "auto"])
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", *matrix("forkserver", "spawn")])
 def test_tqdm_bars_move_the_rows_and_leave_no_message_dumps(tmp_path, kind, method):
     console = tmp_path / "kernel-console.log"
     k = Kernel(console=str(console))
@@ -183,7 +183,7 @@ def hf_train(outdir):
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_hf_trainer_progress_and_loss_reach_the_row(nb, tmp_path, method):
     reply = nb.execute(HF_TRAINER + textwrap.dedent(f"""
         for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -230,8 +230,8 @@ def lightning_fit(bar):
 """
 
 
-@pytest.mark.parametrize("method,bar", [("fork", "default"), ("fork", "tqdm"), ("spawn", "tqdm"),
-                                        ("forkserver", "default")])
+@pytest.mark.parametrize("method,bar", [("fork", "default"), ("fork", "tqdm"),
+                                        *matrix(("spawn", "tqdm"), ("forkserver", "default"))])
 def test_lightning_ddp_trains_with_lightning_imported_in_the_notebook(nb, method, bar):
     reply = nb.execute(LIGHTNING + textwrap.dedent(f"""
         out = notebook_launcher(lightning_fit, args=("{bar}",), num_processes=2, start_method="{method}")
@@ -254,7 +254,7 @@ def logs(n):
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", *matrix("forkserver", "spawn")])
 def test_notebook_logging_reaches_the_rank_lines_and_log_files(nb, method):
     reply = nb.execute(LOGGING + textwrap.dedent(f"""
         out = notebook_launcher(logs, args=(3,), num_processes=2, start_method="{method}", display="text")
@@ -303,7 +303,7 @@ def load(fail_at):
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "spawn", *matrix("forkserver")])
 def test_dataloader_workers_over_a_notebook_dataset(nb, tmp_path, method):
     workers_file = tmp_path / "workers"
     reply = nb.execute(DATALOADER + textwrap.dedent(f"""
@@ -337,7 +337,7 @@ def colours():
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_coloured_output_shows_as_colour_never_as_escapes(nb, method):
     reply = nb.execute(COLOURS + f'notebook_launcher(colours, num_processes=1, start_method="{method}")')
     assert reply.error is None, reply.error
@@ -356,7 +356,7 @@ def accel():
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", *matrix("forkserver", "spawn")])
 def test_accelerate_state_made_in_the_kernel_does_not_leak_into_ranks(nb, method):
     reply = nb.execute(ACCELERATE + textwrap.dedent(f"""
         import json
@@ -500,7 +500,7 @@ def slurm_view():
             "lightning": (env.global_rank(), env.local_rank(), env.world_size(), env.node_rank())}
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_a_launch_inside_a_slurm_job_gives_each_rank_slurm_variables_that_agree_with_its_rank(monkeypatch, method):
     """A kernel inside `srun` has one task's variables (SLURM_PROCID=0,
     SLURM_NTASKS=1); ranks that inherited them all said rank 0 to Lightning."""

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import START_METHODS, rows_updates, wait_gone
+from conftest import matrix, rows_updates, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +44,7 @@ def bump():
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "spawn", *matrix("forkserver")])
 def test_state_persists_across_cells(kernel, method):
     """A counter set up once and incremented by three runs, cell by cell, in the same processes."""
     assert kernel.execute(SETUP.format(method=method), timeout=180).error is None

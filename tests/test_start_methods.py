@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import START_METHODS, Kernel, wait_gone
+from conftest import Kernel, matrix, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +45,7 @@ def job(point, add):
 """
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "spawn", *matrix("forkserver")])
 def test_cell_defined_code_runs_the_same_under_every_start_method(kernel, method):
     assert kernel.execute(NOTEBOOK_CODE).error is None
     r = kernel.execute(
@@ -59,7 +59,7 @@ def test_cell_defined_code_runs_the_same_under_every_start_method(kernel, method
     assert "[rank 0] rank 0 sees SCALE=3" in r.stdout and "[rank 1] rank 1 sees SCALE=3" in r.stdout
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["spawn", *matrix("forkserver")])
 def test_rank_output_reaches_the_cell_when_ipykernel_disables_fd_capture(method):
     # nbval runs kernels with PYTEST_CURRENT_TEST set, and ipykernel then does
     # not capture fds: output of non-forked ranks would go to the terminal.
@@ -143,7 +143,7 @@ def test_unpicklable_input_is_named_before_any_rank_starts(method):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["spawn", *matrix("forkserver")])
 def test_interrupt_and_orphans_under_non_fork_methods(method):
     k = Kernel()
     try:
