@@ -4,9 +4,14 @@ plugin (``-p slurm_cluster`` in pyproject.toml), it leaves that notebook out
 where SLURM is not up."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
+
+import pytest
 
 
 def why_not(nodes: int = 2) -> str:
@@ -42,3 +47,23 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "09_lost_node.ipynb" and why_not(nodes=3):
         return True
     return None
+
+
+@contextlib.contextmanager
+def losing_a_node():
+    """Held by whatever takes all three nodes and then ends one of them (its
+    agent, or its slurmd: every step there): the three-node tests and the
+    lost-node tutorial take turns, so that one's loss is never another's
+    (the tutorial, run beside those tests, once killed their agent on n3)."""
+    with open(os.path.join(tempfile.gettempdir(), "nblaunch-slurm-three-nodes.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if item.path.name == "09_lost_node.ipynb":
+        with losing_a_node():
+            yield
+    else:
+        yield

@@ -51,14 +51,15 @@ def stepper(folder, steps=400):
 def three_nodes():
     """An allocation of the three nodes (``--no-kill``: the job outlives a
     node's failure, as a long run's should) and a kernel inside it."""
-    job = _salloc(3, "--no-kill")
-    k = Kernel(extra_env={"SLURM_JOB_ID": job})
-    try:
-        yield job, k
-    finally:
-        k.shutdown()
-        _nothing_left(job)
-        subprocess.run(["scancel", job], timeout=20)
+    with slurm_cluster.losing_a_node():
+        job = _salloc(3, "--no-kill")
+        k = Kernel(extra_env={"SLURM_JOB_ID": job})
+        try:
+            yield job, k
+        finally:
+            k.shutdown()
+            _nothing_left(job)
+            subprocess.run(["scancel", job], timeout=20)
 
 
 def _agent_on(job: str, node: str) -> psutil.Process:
