@@ -19,7 +19,8 @@ from .wire.channel import Stopping
 
 __all__ = ["LiveCallWatch"]
 
-INTERRUPT_GRACE_S = 2.0  # interrupt -> every rank idle again, or the ranks are given up
+INTERRUPT_GRACE_S = 5.0  # interrupt -> every rank idle again, or the ranks are given up (2 s was too short for
+# ranks on SLURM nodes, behind their agent, on a busy 2-core machine: their state was lost)
 # The stop button in a loop with a bar: the ranks stop together at an agreed
 # step (rank.interrupts.CallInterrupt); this is how long they get to reach it.
 STEP_STOP_WAIT_S = 20.0

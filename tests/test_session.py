@@ -216,7 +216,7 @@ def test_a_wedged_collective_restarts_the_session(kernel):
     took = time.monotonic() - t0
     shown = "\n".join(r.error["traceback"])
     assert shown.startswith("WorkerError: rank 1 raised RuntimeError: no all_reduce for you")
-    assert ("rank 0 did not stop within 2 s of being interrupted" in shown
+    assert ("rank 0 did not stop within 5 s of being interrupted" in shown
             or "out of step (collectives issued: rank 0: 1, rank 1: 0)" in shown), shown
     assert "restarted its ranks" in shown
     assert took < 20
