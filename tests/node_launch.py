@@ -5,7 +5,13 @@ Prints one JSON line: {"results": [...]} or {"error": type, "rank": r, "node": n
 """
 import json
 import os
+import signal
 import sys
+
+# A node's launcher is started from a terminal, where Ctrl-C is a
+# KeyboardInterrupt. Tests left running detached (`nohup ... &` from a
+# script) start everything with SIGINT ignored, which Python then keeps.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _note_pid():
