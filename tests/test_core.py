@@ -349,3 +349,21 @@ def test_lines_reach_the_view():
     view = quiet_view()
     CallWatch(pool, view, 0).run(pool.start)
     assert "[rank 0] hello" in list(view.state.tail)
+
+
+def test_a_plain_result_is_pickled_plainly_and_a_tensor_goes_through_shared_memory():
+    import torch
+
+    from nblaunch.rank.results import dump_result
+
+    plain = {"loss": 0.25, "steps": [1, 2, 3], "name": "run", "done": None, "pair": (1j, b"x")}
+    payload, shared = dump_result(0, plain)
+    assert (payload, shared) == (pickle.dumps(plain, pickle.HIGHEST_PROTOCOL), 0)
+    deep = [[0.0] * 100 for _ in range(200)]  # 20,000 floats: too big to check item by item
+    payload, shared = dump_result(0, deep)
+    assert pickle.loads(payload) == deep and shared == 0
+    with_tensor = {"loss": 0.25, "weights": torch.ones(256)}
+    payload, shared = dump_result(0, with_tensor)
+    assert shared == 256 * 4
+    back = pickle.loads(payload)
+    assert back["loss"] == 0.25 and torch.equal(back["weights"], torch.ones(256))

@@ -5,6 +5,9 @@ from, and a session and call watch that never name an engine."""
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,31 @@ def test_no_class_over_300_lines(name):
     long = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300}
     assert long == {}
+
+
+def test_every_public_name_is_where_the_lazy_map_says():
+    import nblaunch
+
+    assert set(nblaunch._LAZY) == set(nblaunch.__all__)
+    for name, where in nblaunch._LAZY.items():
+        assert getattr(nblaunch, name) is getattr(importlib.import_module(where, "nblaunch"), name), name
+
+
+def test_a_node_agent_imports_no_kernel_side_module_and_its_ranks_still_find_every_name():
+    """A node's agent (``python -m nblaunch.engines.agent``) starts without
+    the launcher, the session or the views: its node's first step waits on
+    that import. Its ranks' code still finds ``nblaunch.progress`` (the
+    function, not the module of that name) and every other public name."""
+    log = subprocess.run([sys.executable, "-X", "importtime", "-m", "nblaunch.engines.agent", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert log.returncode == 0 and "--node-var" in log.stdout, log.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in log.stderr.splitlines() if "|" in line}
+    assert "nblaunch.engines" in imported
+    assert not imported & {"nblaunch.launcher", "nblaunch.session", "nblaunch.view", "ipywidgets", "IPython"}
+    as_agent = ("import sys; sys.orig_argv[1:] = ['-m', 'nblaunch.engines.agent']\n"
+                "import nblaunch, nblaunch.rank.worker\n"
+                "assert 'nblaunch.launcher' not in sys.modules\n"
+                "assert callable(nblaunch.progress) and callable(nblaunch.runs), 'a submodule took a public name'\n"
+                "print(sorted(n for n in nblaunch.__all__ if getattr(nblaunch, n) is None))")
+    out = subprocess.run([sys.executable, "-c", as_agent], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -24,6 +24,8 @@ def dump_result(rank: int, value: Any) -> tuple[bytes, int]:
     through torch's own multiprocessing reductions (as ``args`` do under
     spawn), so a 512 MB state_dict is never pickled into bytes, here or in
     the kernel."""
+    if _plain(value):
+        return pickle.dumps(value, pickle.HIGHEST_PROTOCOL), 0
     from multiprocessing.reduction import ForkingPickler
 
     shared = _count_shared(ForkingPickler._extra_reducers)
@@ -49,6 +51,36 @@ def dump_result(rank: int, value: Any) -> tuple[bytes, int]:
             f"the result of rank {rank} (a {type(value).__module__}.{type(value).__qualname__}) "
             f"cannot be pickled: {exc}"
         ) from None
+
+
+_PLAIN_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_PLAIN_ITEMS = 10_000
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is built of Python's own atoms in lists, tuples and
+    dicts (what most ranks return: None, a loss, a dict of metrics). Those
+    need neither torch's reducers nor cloudpickle, and building the sharing
+    pickler costs a forked rank ~90 page copies (its dispatch table copies
+    every reducer torch registered). Bounded: a large structure takes the
+    general path."""
+    todo, seen = [value], 0
+    while todo:
+        v = todo.pop()
+        seen += 1
+        if seen > _PLAIN_ITEMS:
+            return False
+        t = type(v)
+        if t in _PLAIN_ATOMS:
+            continue
+        if t is list or t is tuple:
+            todo.extend(v)
+        elif t is dict:
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        else:
+            return False
+    return True
 
 
 class _count_shared:
