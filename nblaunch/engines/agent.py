@@ -80,9 +80,15 @@ def relayable(item: Any, pool) -> Any:
     return Message(item.rank, dataclasses.replace(event, payload=payload, shared=0))
 
 
+def _ended_by(signal_name: str) -> str:
+    return (f"was ended by {signal_name}, sent to its agent by the engine "
+            "(a cancelled SLURM job or step, a Ray actor that was killed)")
+
+
 class _Agent:
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._parent = os.getppid()  # srun's step daemon, or the Ray actor
         self._folder = tempfile.TemporaryDirectory(prefix="nblaunch-modules-")  # the notebook's modules, if sent
         self.pool = None
         self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
@@ -90,6 +96,12 @@ class _Agent:
         self._told = False
         self._sampler = None
         self._pending: list = []  # what the ranks sent, not relayed yet (RELAY_TICK_S)
+
+    def orphaned(self) -> bool:
+        """The process that started this agent is gone. A SIGTERM then is
+        its loss being cleaned up (Ray's raylet ends a dead actor's
+        children so), not a preemption notice: the node is lost."""
+        return os.getppid() != self._parent
 
     def run(self) -> int:
         from .local_pool import LocalPool
@@ -149,6 +161,9 @@ class _Agent:
             if any(not routine(i) for i in items) or time.monotonic() - sent_at >= RELAY_TICK_S:
                 self._flush()
                 sent_at = time.monotonic()
+            if self.preempting is not None and not self._told and self.orphaned():
+                self.ending = _ended_by(self.preempting)
+                continue
             if self.preempting is not None and not self._told:
                 self._told = True
                 pool.preempt(f"{self.preempting} to this node's agent")  # this node's ranks at once
@@ -227,11 +242,10 @@ def main(argv: Optional[list] = None) -> int:
 
     def end(signum, frame) -> None:
         if agent is not None and agent.ending is None:
-            agent.ending = (f"was ended by {signal.Signals(signum).name}, sent to its agent by the engine "
-                            "(a cancelled SLURM job or step, a Ray actor that was killed)")
+            agent.ending = _ended_by(signal.Signals(signum).name)
 
     def preempt(signum, frame) -> None:
-        if agent is not None and agent.pool is None:  # no ranks yet: nothing to save
+        if agent is not None and (agent.pool is None or agent.orphaned()):  # no ranks: nothing to save
             end(signum, frame)
         elif agent is not None and agent.preempting is None:
             agent.preempting = signal.Signals(signum).name
