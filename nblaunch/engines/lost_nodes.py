@@ -147,6 +147,7 @@ class WatchedNodes(NodeGroup):
         self._fresh = False  # after a lost node: every attempt is a fresh round
         self._told = False  # this attempt's lost node was published
         self._store_lost: Optional[RankFailure] = None
+        self._dropped = False  # the others found this node lost: their next round is not its
 
     # -- joining -----------------------------------------------------------------
 
@@ -182,9 +183,17 @@ class WatchedNodes(NodeGroup):
 
     def _new_round(self, attempt: int) -> None:
         """A c10d round of its own (run id ``<rdzv_id>.<attempt>``) of ``min_nodes`` to ``num_nodes``."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        rdzv, params = self._round(attempt)
+        handler = _Round(create_handler(self._spare, rdzv, params), self)
+        with self._state:
+            self._handler, self._rdzv, self._params = handler, rdzv, params
+
+    def _round(self, attempt: int) -> tuple:
+        """The backend and parameters of the fresh round of ``attempt``."""
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
         run_id = f"{self._run_id}.{attempt}"
         params = RendezvousParameters(
@@ -192,10 +201,19 @@ class WatchedNodes(NodeGroup):
             max_nodes=self.num_nodes, local_addr=self.addr, join_timeout=int(max(1, round(self._rdzv_timeout))),
             last_call_timeout=int(max(1, round(self.lost_after))), close_timeout=int(CLOSE_WAIT_S),
             read_timeout=int(CLOSE_WAIT_S))
-        rdzv = C10dRendezvousBackend(self._raw, run_id)
-        handler = _Round(create_handler(self._spare, rdzv, params), self)
-        with self._state:
-            self._handler, self._rdzv, self._params = handler, rdzv, params
+        return C10dRendezvousBackend(self._raw, run_id), params
+
+    def _close_rounds(self) -> None:
+        """This node leaves: the fresh rounds of this attempt and the next are closed, so a node
+        that waits in one for it (it had gone on without a lost node; this one had not, or was
+        interrupted before it came) ends at once instead of after ``rdzv_timeout``."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        for attempt in (self._attempt,) if self._dropped else (self._attempt, self._attempt + 1):
+            try:
+                create_handler(self._raw, *self._round(attempt)).set_closed()
+            except Exception:  # noqa: BLE001 - the store is going: no one waits on it either
+                return
 
     # -- while the ranks run -----------------------------------------------------------
 
@@ -230,6 +248,7 @@ class WatchedNodes(NodeGroup):
         if beats is None:
             return None
         if beats.store_error is not None:
+            self._lost = True  # no store operation is tried again (each would wait out its timeout)
             if self._store_lost is None:
                 self._store_lost = self._store_lost_failure(beats)
             return self._store_lost
@@ -255,9 +274,11 @@ class WatchedNodes(NodeGroup):
         """After a generation that lost nodes: the next runs on the nodes still up if ``min_nodes``
         allows (True), as a fresh round. Not where the store was lost, nor with ``static``."""
         lost = {f.node for f in failures if f.kind == "node" and f.exc_type == NODE_LOST}
-        if self._beats is not None:
+        if lost and self._beats is not None:  # only with a loss every node was told of: they agree to go on
             lost |= set(self._beats.lost)
-        if (not lost or self.min_nodes is None or self._backend != "c10d" or self._raw is None
+        # A node the others found lost (it was too slow to beat) is not in their next round.
+        self._dropped = self._rank in lost
+        if (not lost or self._dropped or self.min_nodes is None or self._backend != "c10d" or self._raw is None
                 or any(f.exc_type == STORE_LOST for f in failures)
                 or self.num_nodes - len(lost) < self.min_nodes):
             return False
@@ -276,6 +297,8 @@ class WatchedNodes(NodeGroup):
 
     def _release(self) -> None:
         self._stop_beats()
+        if self.min_nodes is not None and self._params is not None and self._raw is not None and not self._lost:
+            self._close_rounds()
         super()._release()
         self._beat_store = self._spare = None
 
