@@ -80,6 +80,7 @@ def train_dcp(folder, until=60, every=4):
 
     import nblaunch
 
+    entered = time.time()  # the rank's set-up (its process group) is done
     restart, rank, world = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     state = {"weight": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]), "step": torch.tensor(0)}
@@ -96,7 +97,7 @@ def train_dcp(folder, until=60, every=4):
         bar.update(1)
         if step == start:
             with open(os.path.join(folder, f"first-{restart}-{rank}"), "w") as f:
-                json.dump({"time": time.time(), "world": world}, f)
+                json.dump({"time": time.time(), "entered": entered, "world": world}, f)
         if restart == 0:
             time.sleep(0.2)  # the first generation waits to be cut short
         if (step + 1) % every == 0:
