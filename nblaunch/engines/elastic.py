@@ -37,17 +37,18 @@ class ElasticPool(LocalPool):
     def settle(self, failures: list, seen: Optional[RankFailure]) -> Optional[RankFailure]:
         """On success, the exit barrier (it returns another node's failure if
         one came). On failure, when this node only saw a consequence, give
-        the node where it started a moment to say so, then publish ours."""
+        the node where it started a moment to say so, then publish ours. A
+        node found lost meanwhile joins ``failures`` (``lost_nodes``)."""
         nodes = self._nodes
         if self.placement is None:
             return None
         if not failures:
             return nodes.finish(succeeded=True)
-        remote = seen
+        remote, lost = nodes.causes(seen, REMOTE_GRACE_S)
+        if lost is not None:
+            failures.append(lost)
         if remote is None:
-            remote = nodes.await_cause(REMOTE_GRACE_S)  # longer while a node may be lost
-            if remote is None:
-                nodes.publish(errors.root_cause(failures))
+            nodes.publish(errors.root_cause(failures))
         nodes.finish(succeeded=False)
         return remote
 

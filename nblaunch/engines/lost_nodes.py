@@ -65,8 +65,10 @@ class Heartbeats:
         self.lost_after = lost_after_s
         self.interval = min(1.0, lost_after_s / 4)
         now = time.monotonic()
-        self.moved = {k: now for k in self._others}  # when each node's counter last moved (or the watch began)
+        self.moved = {k: now for k in self._others}  # the look that saw each node's counter move last (or the start)
+        self.beat_after = dict(self.moved)  # the look before it: that beat came after this
         self._counts: dict = {}
+        self._looked = now
         self.infos: dict[int, dict] = {}  # what each node said of itself: {"addr": ..., "store": hosts it}
         self.lost: dict[int, float] = {}
         self.store_error: Optional[str] = None
@@ -81,8 +83,13 @@ class Heartbeats:
             self._thread.join(self.lost_after + 5)
 
     def heard_from_all_since(self, t: float) -> bool:
-        """Whether every other node's counter moved after ``t`` (``time.monotonic``)."""
-        return all(self.moved[k] > t for k in self._others)
+        """Whether every other node has beaten after ``t`` (``time.monotonic``): a look after
+        ``t`` saw its counter move since the look before, itself after ``t``."""
+        return all(self.beat_after[k] >= t for k in self._others)
+
+    def last_heard(self, k: int) -> float:
+        """A wall-clock time before node ``k``'s last beat, so before its loss."""
+        return time.time() - (time.monotonic() - self.beat_after[k])
 
     def _key(self, what) -> str:
         return f"{self._prefix}/{what}"
@@ -104,11 +111,11 @@ class Heartbeats:
             counts = [int(v) for v in self._store.multi_get(keys)]
         else:  # the first look also makes the keys of nodes that have not beaten yet
             counts = [self._store.add(key, 0) for key in keys]
-        now = time.monotonic()
+        now, before, self._looked = time.monotonic(), self._looked, time.monotonic()
         for k, count in zip(self._others, counts):
             if self._counts.get(k) != count:
                 if k in self._counts:
-                    self.moved[k] = now
+                    self.moved[k], self.beat_after[k] = now, before
                 self._counts[k] = count
             elif now - self.moved[k] > self.lost_after and k not in self.lost:
                 self.lost[k] = now - self.moved[k]
@@ -228,20 +235,28 @@ class WatchedNodes(NodeGroup):
             force = True
         return super().poll(force)
 
-    def await_cause(self, grace: float) -> Optional[RankFailure]:
-        """This node's ranks failed on a consequence (a peer's connection closed): another node's
-        failure published within ``grace``, or, while a node has not beaten since, its loss."""
+    def causes(self, seen: Optional[RankFailure], grace: float) -> tuple:
+        """After this node's ranks failed: ``(remote, lost)``, another node's failure (``seen``,
+        or one published within ``grace``; None: publish ours) and a node lost meanwhile (None:
+        none). While a node has not beaten since, this waits until it does or is found lost
+        (``NBLAUNCH_NODE_LOST_AFTER``): when this node saw no cause elsewhere (a peer's connection
+        closed: the loss, not its echo, is the cause), and with ``min_nodes`` always, so that
+        every node still up blames the loss, dated before it, and they agree to go on."""
         t0 = time.monotonic()
-        beats = self._beats
+        beats, remote, lost = self._beats, seen, None
         last = t0 + grace + (beats.lost_after + 2 * beats.interval if beats is not None else 0)
+        watch = seen is None or self.min_nodes is not None
         while True:
-            remote = self.poll(force=True)
+            remote = remote or self.poll(force=True)
+            lost = self._lost_node()
             now = time.monotonic()
-            if remote is not None or now >= last:
-                return remote
-            if now >= t0 + grace and (beats is None or beats.heard_from_all_since(t0)):
-                return None
+            heard = beats is None or not watch or beats.heard_from_all_since(t0)
+            if lost is not None or now >= last or ((remote is not None or now >= t0 + grace) and heard):
+                break
             time.sleep(_POLL_S)
+        if lost is not None and remote is not None and (remote.exc_type, remote.node) == (lost.exc_type, lost.node):
+            lost = None  # the same loss, published
+        return remote, lost
 
     def _lost_node(self) -> Optional[RankFailure]:
         beats = self._beats
@@ -256,7 +271,7 @@ class WatchedNodes(NodeGroup):
             return None
         k = min(beats.lost)
         at = f" at {beats.infos[k]['addr']}" if k in beats.infos else ""
-        return RankFailure(k * self._n, "node", time.time(), exc_type=NODE_LOST, node=k,
+        return RankFailure(k * self._n, "node", beats.last_heard(k), exc_type=NODE_LOST, node=k,
                            message=f"was lost: its launcher{at} sent no heartbeat for {beats.lost[k]:.0f} s")
 
     def _store_lost_failure(self, beats: Heartbeats) -> RankFailure:
