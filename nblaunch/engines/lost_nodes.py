@@ -10,11 +10,10 @@ every node stops its ranks at once, as for any other node's failure; none is lef
 collective until its timeout.
 
 With ``min_nodes`` (and ``max_restarts``) the next generation runs on the nodes still up
-(:meth:`WatchedNodes.shrink`): each survivor joins a fresh c10d round, run id
-``<rdzv_id>.<attempt>``, of ``min_nodes`` to the nodes still up (what ``torchrun
---nnodes=2:3`` asks of torch's rendezvous), so node ranks, ``RANK`` and ``WORLD_SIZE`` are
-worked out again; a lost node never joins it. The round completes once every node still up
-came, or ``min_nodes`` did and the last call (``NBLAUNCH_NODE_LOST_AFTER``) passed.
+(:meth:`WatchedNodes.shrink`): they meet in a fresh c10d round, run id ``<rdzv_id>.<attempt>``,
+of ``min_nodes`` to the nodes still up (``torchrun --nnodes=2:3``'s), which gives node ranks,
+``RANK`` and ``WORLD_SIZE`` again. It completes once every node still up came, or
+``min_nodes`` did and the last call (``NBLAUNCH_NODE_LOST_AFTER``) passed.
 
 The endpoint's store lives in the launcher that hosts ``rdzv_endpoint``. If that node is lost,
 the store goes with it: nothing is left for the others to meet on, so the run cannot go on;
@@ -37,7 +36,7 @@ __all__ = ["WatchedNodes", "Heartbeats", "lost_after", "NODE_LOST", "STORE_LOST"
 LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
 NODE_LOST = "NodeLost"  # a lost node's failure (its exc_type): the survivors may go on without it
 STORE_LOST = "StoreLost"  # the node hosting rdzv_endpoint's store was lost: no one can go on
-_POLL_S = 0.1  # await_cause's look at the store
+_POLL_S = 0.1  # causes' look at the store
 
 
 def lost_after() -> float:
@@ -77,10 +76,9 @@ class Heartbeats:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the thread (it is between two store operations within ``interval``)."""
+        """End the thread (a store operation in flight ends within its timeout)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self.lost_after + 5)
+        self._thread.join(self.lost_after + 5)
 
     def heard_from_all_since(self, t: float) -> bool:
         """Whether every other node has beaten after ``t`` (``time.monotonic``): a look after
