@@ -1,13 +1,11 @@
 """Lost nodes of a launch joined by torch's elastic rendezvous (``rdzv_endpoint``), and going on
 without them (``min_nodes``).
 
-While its ranks run, each node beats on the endpoint's store (a counter it adds to every
-second or so) and watches the other nodes' counters, in one thread (:class:`Heartbeats`). A
-node whose counter stood still for ``NBLAUNCH_NODE_LOST_AFTER`` seconds (default 10) is lost:
-its launcher died, its machine went down or off the network. The node that sees it first
-publishes it as the generation's failure (kind ``node``, ``exc_type`` :data:`NODE_LOST`), and
-every node stops its ranks at once, as for any other node's failure; none is left in a
-collective until its timeout.
+While its ranks run, each node beats on the endpoint's store (a counter it adds to every second
+or so) and watches the others' counters (:class:`Heartbeats`). A node silent for
+``NBLAUNCH_NODE_LOST_AFTER`` seconds (default 10) is lost (its launcher died, its machine went
+down): the node that sees it first publishes it as the generation's failure (kind ``node``,
+``exc_type`` :data:`NODE_LOST`), and every node stops its ranks at once, as for any failure.
 
 With ``min_nodes`` (and ``max_restarts``) the next generation runs on the nodes still up
 (:meth:`WatchedNodes.shrink`): they meet in a fresh c10d round, run id ``<rdzv_id>.<attempt>``,
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import threading
 import time
@@ -37,6 +36,7 @@ LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
 NODE_LOST = "NodeLost"  # a lost node's failure (its exc_type): the survivors may go on without it
 STORE_LOST = "StoreLost"  # the node hosting rdzv_endpoint's store was lost: no one can go on
 _POLL_S = 0.1  # causes' look at the store
+_DONE = 1 << 40  # added to a node's counter once its part of the attempt is over
 
 
 def lost_after() -> float:
@@ -44,10 +44,7 @@ def lost_after() -> float:
     text = os.environ.get("NBLAUNCH_NODE_LOST_AFTER", "").strip()
     if not text:
         return LOST_AFTER_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
+    value = float(text) if text.replace(".", "", 1).isdigit() else -1.0
     if not 0.5 <= value < 1e6:
         raise ValueError(f"NBLAUNCH_NODE_LOST_AFTER must be a number of seconds >= 0.5, got {text!r}")
     return value
@@ -99,6 +96,7 @@ class Heartbeats:
                 self._store.add(self._key(self._me), 1)
                 self._look()
                 self._stop.wait(self.interval)
+            self._store.add(self._key(self._me), _DONE)  # this node's part is over: no one waits for its beat
         except Exception as exc:  # noqa: BLE001 - the store went away (its host ended), or stalled
             if not self._stop.is_set():
                 self.store_error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -111,7 +109,9 @@ class Heartbeats:
             counts = [self._store.add(key, 0) for key in keys]
         now, before, self._looked = time.monotonic(), self._looked, time.monotonic()
         for k, count in zip(self._others, counts):
-            if self._counts.get(k) != count:
+            if count >= _DONE:
+                self.moved[k] = self.beat_after[k] = math.inf
+            elif self._counts.get(k) != count:
                 if k in self._counts:
                     self.moved[k], self.beat_after[k] = now, before
                 self._counts[k] = count
