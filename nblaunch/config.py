@@ -165,8 +165,9 @@ def _check_counts(c: LaunchConfig) -> None:
 
 def _check_resilience(c: LaunchConfig) -> None:
     """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
-    generation can run on fewer nodes: a cluster's; a launch's restarts
-    need ``max_restarts`` too) and ``preempt_grace``."""
+    generation can run on fewer nodes: a cluster's, or nodes joined by
+    torch's c10d rendezvous; a launch's restarts need ``max_restarts`` too)
+    and ``preempt_grace``."""
     g = c.preempt_grace
     if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
         raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
@@ -176,12 +177,12 @@ def _check_resilience(c: LaunchConfig) -> None:
     if isinstance(m, bool) or not isinstance(m, int):
         raise TypeError(f"min_nodes must be an int or None, got {type(m).__name__}: {m!r}")
     if c.cluster is None and c.num_nodes == 1:
-        raise ValueError("min_nodes is for a launch on several nodes (cluster='slurm' or cluster='ray'); on one "
-                         "machine there is no node to lose")
-    if c.cluster is None:
-        raise ValueError("min_nodes works with cluster='slurm' or cluster='ray', whose kernel starts every node; "
-                         "nodes joined by rdzv_endpoint, each with its own kernel, restart all together "
-                         "(max_restarts) and cannot yet go on with fewer")
+        raise ValueError("min_nodes is for a launch on several nodes (num_nodes > 1 with rdzv_endpoint, or "
+                         "cluster='slurm' or 'ray'); on one machine there is no node to lose")
+    if c.cluster is None and c.rdzv_backend == "static":
+        raise ValueError("min_nodes needs rdzv_backend='c10d': with 'static' every node keeps the node_rank it was "
+                         "given and node 0 hosts the rendezvous, so the others cannot meet again without a lost "
+                         "node. Leave rdzv_backend at 'c10d' (node ranks are then given again after a loss)")
     nodes = c.num_nodes if c.num_nodes > 1 else c.cluster.nodes
     if not 1 <= m <= (nodes or m):
         raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")
@@ -262,6 +263,9 @@ def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"rdzv_endpoint must be 'host:port', got {endpoint!r}")
+    from .engines.lost_nodes import lost_after
+
+    lost_after()  # NBLAUNCH_NODE_LOST_AFTER, read by every node's heartbeat watch
     return host, int(port)
 
 

@@ -136,7 +136,8 @@ class RankFailure:
                 else ""
             )
         if self.kind == "node":  # the launcher of a whole node ended its ranks
-            return f"node {self.node} {self.message}; its ranks were stopped"
+            who = f"node {self.node} " if self.node is not None else ""  # None: a machine no node of the job
+            return f"{who}{self.message}; its ranks were stopped"
         if self.kind == "stopped":
             return f"{self.label} was stopped by nblaunch after the failure above"
         if self.kind == "left":
@@ -151,7 +152,7 @@ class RankFailure:
             return f"{self.label} raised {self.exc_type}"
         if self.kind == "signal":
             return f"{self.label} killed by {signal_name_of(self.signal)}"
-        if self.kind == "node":
+        if self.kind == "node" and (self.host or self.node is not None):
             return f"node {self.host or self.node} lost"
         if self.kind == "exit":
             return f"{self.label} exited with code {self.exitcode}"

@@ -73,9 +73,13 @@ def notebook_launcher(
     again this many times before raising; each rank's
     ``TORCHELASTIC_RESTART_COUNT`` says which generation it is, the view says
     why each restart came, and a ``WorkerError`` after the last lists every
-    attempt's cause. ``min_nodes`` (a cluster): when a node is lost, the next
-    generation runs on the nodes still up if at least this many are
-    (``WORLD_SIZE`` and ``RANK`` then say how many ranks are left).
+    attempt's cause. ``min_nodes`` (a cluster, or nodes joined by the c10d
+    rendezvous): when a node is lost, the next generation runs on the nodes
+    still up if at least this many are (``WORLD_SIZE`` and ``RANK`` then say
+    how many ranks are left). Nodes joined by ``rdzv_endpoint`` find a lost
+    node by its heartbeat (none for ``NBLAUNCH_NODE_LOST_AFTER`` seconds,
+    default 10); the node hosting ``rdzv_endpoint``'s store cannot be lost
+    without ending the run.
 
     Preemption: SIGTERM or SIGUSR1 to the kernel or a cluster's agents, or
     SIGTERM to the ranks from outside nblaunch (what SLURM sends on

@@ -49,8 +49,8 @@ def at_step(steps: dict, rank: int) -> str:
 def may_restart(engine, exc: WorkerError) -> bool:
     """Whether a failed generation is replaced: yes, except where a node's
     launcher was stopped or a node was lost (kind ``node``), unless the
-    engine can go on without the lost nodes (``engine.shrink``: a cluster
-    with ``min_nodes``), which it then does."""
+    engine can go on without the lost nodes (``engine.shrink``: a cluster,
+    or nodes joined by the c10d rendezvous, with ``min_nodes``), which it then does."""
     if exc.root.kind != "node":
         return True
     shrink = getattr(engine, "shrink", None)

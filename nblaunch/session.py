@@ -131,7 +131,7 @@ class Session:
                     if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                         raise history.final(exc) from exc.__cause__
                     self.restarts += 1
-                    history.record(exc, self._steps, getattr(engine, "num_nodes", 1), engine.world_size)
+                    history.record(exc, self._steps, engine.job_nodes, engine.job_world_size)
             raise AssertionError("unreachable")
         finally:
             engine.close()
@@ -242,13 +242,13 @@ class Session:
             others = " (the other ranks' calls were interrupted)" if watch.interrupted else ""
             return f"The live ranks are still up and keep their state{others}."
         if isinstance(exc, WorkerError) and exc.root.kind == "node" and may_restart(self.engine, exc):
-            self.shrunk = f"the ranks run on the {self.engine.num_nodes} nodes still up since {exc.root.brief()}"
+            self.shrunk = f"the ranks run on the {self.engine.job_nodes} nodes still up since {exc.root.brief()}"
         try:
             self.restart()
         except BaseException as exc:  # noqa: BLE001 - said in the note; the next run tries again
             return (f"The ranks could not be kept ({watch.broken}), and starting new ones failed: {exc}. "
                     "The next run tries again.")
-        on = f" on the {self.engine.num_nodes} nodes still up" if self.shrunk else ""
+        on = f" on the {self.engine.job_nodes} nodes still up" if self.shrunk else ""
         return (f"The session restarted its ranks{on} ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
 

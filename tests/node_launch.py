@@ -1,6 +1,7 @@
 """One "node" of a multi-node launch, run as its own process by test_nodes.py.
 
 Usage: python node_launch.py SCENARIO ENDPOINT BACKEND RDZV_ID [NODE_RANK] [extra json kwargs]
+(``args`` among the kwargs: fn's arguments; ``num_processes``/``num_nodes``: 2 and 2 unless given.)
 Prints one JSON line: {"results": [...]} or {"error": type, "rank": r, "node": n, "text": str(exc)}.
 """
 import json
@@ -63,6 +64,56 @@ def flaky_rank3():
     return reduce_ranks() | {"restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
 
 
+def train_dcp(folder, until=60, every=4):
+    """A training loop whose weight is sharded over the ranks (a DTensor, as FSDP2 makes), saved by
+    torch.distributed.checkpoint every ``every`` steps and resumed from the last whole save: DCP
+    reshards it when the next generation has fewer ranks. The first generation steps slowly (the
+    test kills a node mid-run); each generation's first step is noted in ``first-RESTART-RANK``."""
+    _note_pid()
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import nblaunch
+
+    entered = time.time()  # the rank's set-up (its process group) is done
+    restart, rank, world = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"weight": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]), "step": torch.tensor(0)}
+    latest = os.path.join(folder, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            dcp.load(state, checkpoint_id=f.read())
+    start = int(state["step"])
+    bar = nblaunch.progress(total=until, desc="train")
+    bar.update(start)
+    for step in range(start, until):
+        state["weight"] = state["weight"] + 1  # a training step
+        state["step"] = torch.tensor(step + 1)
+        bar.update(1)
+        if step == start:
+            with open(os.path.join(folder, f"first-{restart}-{rank}"), "w") as f:
+                json.dump({"time": time.time(), "entered": entered, "world": world}, f)
+        if restart == 0:
+            time.sleep(0.2)  # the first generation waits to be cut short
+        if (step + 1) % every == 0:
+            path = os.path.join(folder, f"step{step + 1}")
+            dcp.save(state, checkpoint_id=path)
+            if rank == 0:  # the pointer moves once the save is whole
+                with open(latest + ".tmp", "w") as f:
+                    f.write(path)
+                os.replace(latest + ".tmp", latest)
+            dist.barrier()
+    bar.close()
+    env = {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")}
+    return {"restart": restart, "resumed_at": start, "step": int(state["step"]),
+            "rows": state["weight"].to_local().shape[0], "mean": state["weight"].full_tensor().mean().item(), **env}
+
+
 def main():
     scenario, endpoint, backend, rdzv_id = sys.argv[1:5]
     node_rank = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
@@ -78,11 +129,14 @@ def main():
     torch.randn(256, 256).sum()  # the parent has used OpenMP, as a notebook would have
     import nblaunch
 
-    fn = {"ok": reduce_ranks, "raise": fail_on_rank3, "flaky": flaky_rank3, "forever": forever}[scenario]
+    fn = {"ok": reduce_ranks, "raise": fail_on_rank3, "flaky": flaky_rank3, "forever": forever,
+          "dcp": train_dcp}[scenario]
+    args = extra.pop("args", ())
+    sizes = {"num_processes": 2, "num_nodes": 2} | extra
     try:
         results = nblaunch.notebook_launcher(
-            fn, num_processes=2, num_nodes=2, node_rank=node_rank, rdzv_endpoint=endpoint,
-            rdzv_backend=backend, rdzv_id=rdzv_id, display="text", **extra)
+            fn, args, node_rank=node_rank, rdzv_endpoint=endpoint,
+            rdzv_backend=backend, rdzv_id=rdzv_id, display="text", **sizes)
         out = {"results": results}
     except KeyboardInterrupt:
         out = {"error": "KeyboardInterrupt"}

@@ -290,8 +290,8 @@ def test_preempted_is_false_outside_a_rank():
     ({"preempt_grace": -1}, "preempt_grace must be"),
     ({"preempt_grace": "30"}, "preempt_grace must be"),
     ({"min_nodes": 1, "max_restarts": 1}, "min_nodes is for a launch on several nodes"),
-    ({"min_nodes": 2, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400"},
-     "min_nodes works with cluster="),
+    ({"min_nodes": 2, "max_restarts": 1, "num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400",
+      "rdzv_backend": "static", "node_rank": 0}, "min_nodes needs rdzv_backend='c10d'"),
     ({"min_nodes": 0, "max_restarts": 1, "cluster": Slurm(nodes=3)}, "between 1 and"),
     ({"min_nodes": 4, "max_restarts": 1, "cluster": Slurm(nodes=3)}, "between 1 and"),
     ({"min_nodes": 4, "max_restarts": 1, "num_nodes": 3, "cluster": Slurm()}, "between 1 and"),
@@ -305,6 +305,8 @@ def test_bad_resilience_settings_are_refused_before_any_process_starts(kwargs, m
 def test_good_resilience_settings_are_kept():
     c = LaunchConfig(2, cluster=Slurm(nodes=3), max_restarts=2, min_nodes=2, preempt_grace=0)
     assert (c.min_nodes, c.preempt_grace) == (2, 0)
+    c = LaunchConfig(2, num_nodes=3, rdzv_endpoint="127.0.0.1:29400", max_restarts=1, min_nodes=2)
+    assert c.min_nodes == 2  # nodes joined by the c10d rendezvous go on without a lost one too
 
 
 def test_sigterm_or_sigusr1_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):

@@ -68,6 +68,10 @@ class AgentEngine(Engine):
         return self.config.num_processes * self.num_nodes
 
     @property
+    def job_nodes(self) -> int:
+        return self.num_nodes
+
+    @property
     @abc.abstractmethod
     def num_nodes(self) -> int:
         """How many nodes the ranks run on."""

@@ -58,6 +58,17 @@ class Engine(abc.ABC):
         pl = pool.start(tick=view.tick)
         view.place(pl.first_rank, pl.world_size, pl.node_rank if pl.num_nodes > 1 else None, pl.num_nodes)
 
+    @property
+    def job_nodes(self) -> int:
+        """The nodes of the whole job, as its next generation has them
+        (fewer once a lost node is left out: ``min_nodes``)."""
+        return 1
+
+    @property
+    def job_world_size(self) -> int:
+        """The ranks of the whole job (every node's), as its next generation has them."""
+        return self.world_size
+
     def close(self) -> None:
         """Give back what the engine holds (a store, a rendezvous, an
         allocation it asked for). Safe twice."""
