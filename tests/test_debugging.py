@@ -60,7 +60,7 @@ class Session:
         return self.stdout + ("\n".join(ANSI.sub("", line) for line in self.error["traceback"]) if self.error else "")
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_breakpoint_in_a_rank_opens_pdb_in_the_cell(kernel, method):
     answers = ["p secret", "pp {'s': secret}", "l", "n", "p y", "s", "s", "p v", "up", "p y", "down", "p v * 3", "c"]
     s = Session(kernel, answers).run(

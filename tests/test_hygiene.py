@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import matrix
 from nblaunch import LaunchError, LaunchTimeout, WorkerError, notebook_launcher
 
 
@@ -186,7 +187,7 @@ def tensor_result(mb):
     return {"rank": dist.get_rank(), "w": torch.randn(mb << 18)}  # mb MiB of float32
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_tensors_in_results_arrive_whole_through_shared_memory(method):
     import torch
 

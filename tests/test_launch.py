@@ -15,7 +15,7 @@ import nblaunch
 from nblaunch import LaunchTimeout, WorkerError, notebook_launcher
 from nblaunch.engines.plan import default_threads
 
-from conftest import START_METHODS
+from conftest import matrix
 
 # --- functions run on the ranks (module level, so spawn can import them too) ---
 
@@ -137,7 +137,7 @@ def print_and_return(n):
 # --- results and environment -----------------------------------------------------
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_results_come_back_indexed_by_rank(method):
     results = notebook_launcher(rank_times, args=(10,), num_processes=2, start_method=method)
     assert results == [{"rank": 0, "value": 0, "sum": 1.0}, {"rank": 1, "value": 10, "sum": 1.0}]
@@ -183,7 +183,7 @@ def test_sys_exit_zero_is_a_return_and_nonzero_a_failure():
 # --- failures -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_rank_that_raises_is_named_with_its_traceback(method):
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
@@ -232,7 +232,7 @@ def test_rank_killed_mid_collective_is_the_root_cause_not_its_peer():
         assert "rank 1 about to be killed" in str(err)
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_segfault_names_the_signal_and_shows_the_last_output(method):
     with pytest.raises(WorkerError) as info:
         notebook_launcher(segfault_on_rank_0, num_processes=2, start_method=method)

@@ -248,7 +248,7 @@ def test_the_kernel_ending_leaves_no_rank(kernel, end):
     assert wait_gone(pids, timeout=10) == []
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_interpreter_exit_without_close_leaves_no_rank(tmp_path, method):
     script = tmp_path / "script.py"
     script.write_text("import nblaunch\n"
