@@ -47,6 +47,17 @@ def _store_host(procs: list, port: int) -> int:
     return _wait_for("launcher listening on the endpoint", listener, 60)
 
 
+def _three_nodes(nodes, tmp_path) -> int:
+    """Three launchers of the ``dcp`` scenario (max_restarts=1, min_nodes=2) joined by a c10d
+    rendezvous; the pid of the one hosting its store."""
+    port = free_port()
+    endpoint, rdzv_id = f"127.0.0.1:{port}", uuid.uuid4().hex
+    extra = {"args": [str(tmp_path)], "num_processes": 1, "num_nodes": 3, "max_restarts": 1, "min_nodes": 2}
+    for _ in range(3):
+        nodes.start("dcp", endpoint, "c10d", rdzv_id, extra=extra, env={"NBLAUNCH_NODE_LOST_AFTER": str(LOST_AFTER_S)})
+    return _store_host(nodes.procs, port)
+
+
 def _outcome(p: subprocess.Popen, timeout: float) -> tuple[dict, str]:
     stdout, stderr = p.communicate(timeout=timeout)
     line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
@@ -56,12 +67,7 @@ def _outcome(p: subprocess.Popen, timeout: float) -> tuple[dict, str]:
 
 def test_a_lost_node_stops_the_others_and_the_two_still_up_resume_from_the_three_nodes_checkpoint(
         nodes, tmp_path):  # noqa: F811
-    port = free_port()
-    endpoint, rdzv_id = f"127.0.0.1:{port}", uuid.uuid4().hex
-    extra = {"args": [str(tmp_path)], "num_processes": 1, "num_nodes": 3, "max_restarts": 1, "min_nodes": 2}
-    for _ in range(3):
-        nodes.start("dcp", endpoint, "c10d", rdzv_id, extra=extra, env={"NBLAUNCH_NODE_LOST_AFTER": str(LOST_AFTER_S)})
-    host = _store_host(nodes.procs, port)
+    host = _three_nodes(nodes, tmp_path)
     _wait_for("checkpoint of the three nodes", lambda: (tmp_path / "latest").exists())
     # Not the node that hosts the rendezvous store: without it the others could not meet again.
     lost = next(p for p in reversed(nodes.procs) if p.pid != host)
@@ -92,12 +98,7 @@ def test_a_lost_node_stops_the_others_and_the_two_still_up_resume_from_the_three
 
 def test_when_the_node_hosting_the_rendezvous_store_is_lost_the_others_say_the_run_cannot_go_on(
         nodes, tmp_path):  # noqa: F811
-    port = free_port()
-    endpoint, rdzv_id = f"127.0.0.1:{port}", uuid.uuid4().hex
-    extra = {"args": [str(tmp_path)], "num_processes": 1, "num_nodes": 3, "max_restarts": 1, "min_nodes": 2}
-    for _ in range(3):
-        nodes.start("dcp", endpoint, "c10d", rdzv_id, extra=extra, env={"NBLAUNCH_NODE_LOST_AFTER": str(LOST_AFTER_S)})
-    host = _store_host(nodes.procs, port)
+    host = _three_nodes(nodes, tmp_path)
     _wait_for("every node's first step", lambda: len(list(tmp_path.glob("first-0-*"))) == 3)
     t_lost = time.monotonic()
     os.kill(host, signal.SIGKILL)
