@@ -362,6 +362,11 @@ def test_a_plain_result_is_pickled_plainly_and_a_tensor_goes_through_shared_memo
     deep = [[0.0] * 100 for _ in range(200)]  # 20,000 floats: too big to check item by item
     payload, shared = dump_result(0, deep)
     assert pickle.loads(payload) == deep and shared == 0
+    nested = []
+    for _ in range(5000):  # plain, but deeper than pickle recurses: the general path names the rank
+        nested = [nested]
+    with pytest.raises(TypeError, match="the result of rank 0 .* cannot be pickled"):
+        dump_result(0, nested)
     with_tensor = {"loss": 0.25, "weights": torch.ones(256)}
     payload, shared = dump_result(0, with_tensor)
     assert shared == 256 * 4

@@ -86,9 +86,9 @@ def _ended_by(signal_name: str) -> str:
 
 
 class _Agent:
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: Connection, parent: int):
         self.conn = conn
-        self._parent = os.getppid()  # srun's step daemon, or the Ray actor
+        self._parent = parent  # srun's step daemon, or the Ray actor
         self._folder = tempfile.TemporaryDirectory(prefix="nblaunch-modules-")  # the notebook's modules, if sent
         self.pool = None
         self.ending: Optional[str] = None  # why SLURM (or a signal) ends this node
@@ -230,6 +230,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--node-var", default="", help="the variable holding this node's index")
     parser.add_argument("--name-var", default="", help="the variable holding this node's name")
     opts = parser.parse_args(argv)
+    parent = os.getppid()  # before the imports below: it may die meanwhile
     from ..wire import link
     from .nodes import route_address
 
@@ -270,7 +271,7 @@ def main(argv: Optional[list] = None) -> int:
     from ..rank import worker  # noqa: F401
 
     conn = link.connect((host.strip("[]"), int(port)), secret)
-    agent = _Agent(conn)
+    agent = _Agent(conn, parent)
     conn.send({"node": int(os.environ.get(opts.node_var, "0") or 0),
                "name": os.environ.get(opts.name_var) or socket.gethostname(),
                "addr": route_address(host.strip("[]"), int(port)), "pid": os.getpid(),

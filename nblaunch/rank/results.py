@@ -25,7 +25,10 @@ def dump_result(rank: int, value: Any) -> tuple[bytes, int]:
     spawn), so a 512 MB state_dict is never pickled into bytes, here or in
     the kernel."""
     if _plain(value):
-        return pickle.dumps(value, pickle.HIGHEST_PROTOCOL), 0
+        try:
+            return pickle.dumps(value, pickle.HIGHEST_PROTOCOL), 0
+        except Exception:  # nested deeper than pickle recurses: the general path says so
+            pass
     from multiprocessing.reduction import ForkingPickler
 
     shared = _count_shared(ForkingPickler._extra_reducers)
