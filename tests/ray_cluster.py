@@ -50,6 +50,7 @@ def start(temp_dir: str, netns: str | None = None) -> str:
     head = subprocess.run([*inside, RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
                            f"--system-config={HEALTH_CHECKS}", *common], capture_output=True, text=True, timeout=180)
     if head.returncode != 0:
+        stop()  # what it started before it gave up (seen: a GCS server left running)
         raise RuntimeError(f"ray start --head failed:\n{head.stdout}{head.stderr}")
     found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
     address = found.group(1) if found else f"127.0.0.1:{port}"
