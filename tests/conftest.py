@@ -67,6 +67,21 @@ def wait_for_file(path: str, limit: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def wait_for_pid(path: str, limit: float = 120.0) -> int:
+    """The pid a rank wrote to ``path``, once written whole (a file is seen as soon as it is
+    created, before what is written to it: seen empty once under load)."""
+    deadline = time.monotonic() + limit
+    wait_for_file(path, limit)
+    while True:
+        with open(path) as f:
+            text = f.read().strip()
+        if text.isdigit():
+            return int(text)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} holds {text!r}, not a pid")
+        time.sleep(0.02)
+
+
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` runs; return the ones still running."""
     deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import nblaunch
-from conftest import wait_for_file, Kernel, wait_gone, widget_html
+from conftest import wait_for_file, wait_for_pid, Kernel, wait_gone, widget_html
 from nblaunch import RunStopped
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,9 +70,7 @@ def test_a_detached_run_is_kept_on_disk_until_forgotten(runs_dir, tmp_path):
 def test_stop_ends_a_detached_run_and_its_ranks(runs_dir, tmp_path):
     gate = str(tmp_path / "never")
     run = nblaunch.submit(stepping, args=(gate, 1), num_processes=2, display="none", detach=True)
-    for rank in range(2):
-        wait_for_file(f"{gate}.{rank}.pid")
-    ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
+    ranks = [wait_for_pid(f"{gate}.{rank}.pid") for rank in range(2)]
     run.stop()
     assert run.status == "stopped"
     with pytest.raises(RunStopped):
@@ -102,9 +100,7 @@ def test_a_run_outlives_its_killed_kernel_and_another_kernel_attaches(runs_dir, 
         r = a.execute(code)
         assert r.error is None, r.error
         run_id = r.stdout.split("RUN ")[1].split()[0]
-        for rank in range(2):
-            wait_for_file(f"{gate}.{rank}.pid")
-        ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
+        ranks = [wait_for_pid(f"{gate}.{rank}.pid") for rank in range(2)]
         supervisor = _supervisor(runs_dir / run_id)
         group = os.getpgid(a.pid)
         assert group != os.getpgid(0)
@@ -159,9 +155,7 @@ def test_a_detached_run_s_failure_is_raised_whole_by_result(runs_dir):
 def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(runs_dir, tmp_path):
     gate = str(tmp_path / "never")
     run = nblaunch.submit(stepping, args=(gate, 1), num_processes=2, display="none", detach=True)
-    for rank in range(2):
-        wait_for_file(f"{gate}.{rank}.pid")
-    ranks = [int(open(f"{gate}.{rank}.pid").read()) for rank in range(2)]
+    ranks = [wait_for_pid(f"{gate}.{rank}.pid") for rank in range(2)]
     os.kill(_supervisor(run.run_dir), signal.SIGKILL)
     with pytest.raises(nblaunch.LaunchError, match="ended without an outcome"):
         run.result(timeout=30)

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import Kernel, wait_gone
+from conftest import Kernel, wait_for_pid, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,7 +102,7 @@ def test_interrupting_a_cell_leaves_the_run_alone_and_stop_ends_it(kernel, tmp_p
                        f"pids = [f'{gate}{{x}}.{{r}}.pid' for x in ('', '.never') for r in (0, 1)]\n"
                        "while not all(os.path.exists(p) for p in pids):\n    time.sleep(0.05)\n")
     assert r.error is None, r.error
-    ranks = [int((tmp_path / f"{name}.{rank}.pid").read_text()) for name in ("gate", "gate.never") for rank in (0, 1)]
+    ranks = [wait_for_pid(str(tmp_path / f"{name}.{rank}.pid")) for name in ("gate", "gate.never") for rank in (0, 1)]
     assert all(p in launch_processes_and_forkserver_children(kernel.pid) for p in ranks)
     cell = kernel.execute_async("print('SLEEPING', flush=True)\ntime.sleep(60)\n")
     kernel.wait_for_output("SLEEPING")
