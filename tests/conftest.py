@@ -163,7 +163,11 @@ class Kernel:
             self._own_console = console
         self.console_path = console
         self._console = open(console, "wb")
-        self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT)
+        # History in memory: the kernels of parallel tests shared one sqlite
+        # file in ~/.ipython, whose journal IPython's history thread opens and
+        # closes at times of its own (a leak check counted it as the launch's).
+        self.km.start_kernel(env=env, stdout=self._console, stderr=subprocess.STDOUT,
+                             extra_arguments=["--HistoryManager.hist_file=:memory:"])
         self.kc = self.km.client()
         self.kc.start_channels()
         try:

@@ -193,9 +193,16 @@ def test_the_stop_button_early_in_a_launch_returns_at_once_and_leaks_nothing(ker
         "        time.sleep(600)\n"
         "def counts():\n"
         "    return threading.active_count(), len(os.listdir('/proc/self/fd'))\n"
+        "def fds():\n"
+        "    out = []\n"
+        "    for fd in os.listdir('/proc/self/fd'):\n"
+        "        try: out.append(fd + '=' + os.readlink('/proc/self/fd/' + fd))\n"
+        "        except OSError: pass\n"
+        "    return ' '.join(sorted(out))\n"
         f"notebook_launcher(lambda: 1, num_processes=2, start_method='{method}', display='none')\n"
         "print('BEFORE', *counts())\n")
     before = [int(x) for x in kernel.execute("print('BEFORE', *counts())").stdout.split()[1:]]
+    fds_before = set(kernel.execute("print(fds())").stdout.split())
     for delay in (0.01, 0.03, 0.06, 0.1, 0.15, 0.23, 0.4, 0.8):
         msg_id = kernel.execute_async(
             f"notebook_launcher(sleeper, num_processes=2, start_method='{method}', display='none')")
@@ -209,7 +216,8 @@ def test_the_stop_button_early_in_a_launch_returns_at_once_and_leaks_nothing(ker
         ranks = launch_processes(kernel.pid)
         assert wait_gone(ranks, timeout=1.0) == [], f"ranks outlived an interrupt {delay} s into the launch"
     after = [int(x) for x in kernel.execute("print('AFTER', *counts())").stdout.split()[1:]]
-    assert after[0] <= before[0] and after[1] <= before[1] + 2, (before, after)
+    fds_after = set(kernel.execute("print(fds())").stdout.split())
+    assert after[0] <= before[0] and after[1] <= before[1] + 2, (before, after, sorted(fds_after - fds_before))
 
 
 def test_a_hundred_launches_leave_the_kernel_as_they_found_it(kernel):
