@@ -117,13 +117,15 @@ class LiveCallWatch(CallWatch):
     def _check_answers(self, now: float) -> None:
         if self._answer_by is None or self.broken or now < self._answer_by or self._call_over():
             return
-        stuck = [self._pool.global_rank(r) for r in self._in_call()]
+        in_call = self._in_call()
+        stuck = [self._pool.global_rank(r) for r in in_call]
         if any(p.stopping_at for p in self._parts):
             self._break(f"{ranks_label(stuck)} did not reach the agreed stop step within {STEP_STOP_WAIT_S:g} s "
                         f"of being interrupted; where each rank was:\n{self._pool.stacks()}")
             return
         self._break(f"{ranks_label(stuck)} did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
-                    "(most likely blocked in a collective that another rank never joined)")
+                    "(most likely blocked in a collective that another rank never joined); where "
+                    f"{'it was' if len(stuck) == 1 else 'each was'}:\n{self._pool.stacks(in_call)}")
 
     def _interrupt_all(self, at_a_step: bool) -> bool:
         """Interrupt every live rank still in the call; True if all are idle

@@ -89,7 +89,7 @@ class FakePool(RankPool):
             self._queued.append(Message(rank, self._answers[rank]))
 
     def stacks(self, ranks=None) -> str:
-        return "  rank 0: in fake_loop (cell.py:3)\n  rank 1: in fake_loop (cell.py:3)"
+        return "\n".join(f"  rank {r}: in fake_loop (cell.py:3)" for r in (range(self.size) if ranks is None else ranks))
 
     def collectives(self, ranks):
         return {r: self._waits_in.get(r) for r in ranks}
@@ -259,6 +259,7 @@ def test_a_live_rank_that_does_not_answer_the_interrupt_breaks_the_ranks(monkeyp
     watch, _, exc = live_call(pool)
     assert isinstance(exc, WorkerError) and exc.rank == 0
     assert "rank 1 did not stop within" in watch.broken
+    assert watch.broken.endswith("where it was:\n  rank 1: in fake_loop (cell.py:3)"), watch.broken
     assert (1, signal.SIGTERM) in pool.signals
 
 
