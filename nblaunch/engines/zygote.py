@@ -30,7 +30,7 @@ import sys
 import time
 from multiprocessing import util
 from multiprocessing.connection import wait
-from typing import Optional
+from typing import Callable, Optional
 
 from .. import linux
 from ..rank import setup as rank_setup, worker
@@ -104,15 +104,17 @@ class Zygote:
         self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only),
                                  name="nblaunch-zygote", daemon=False)
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, forked: Callable[[], None] = lambda: None) -> None:
         """Start the zygote and learn every rank's pid; OSError if a rank
-        could not be started (its ``pid`` stays None)."""
+        could not be started (its ``pid`` stays None). ``forked`` is called
+        once the kernel's one fork is done, before the zygote forks its ranks."""
         try:
             self._proc.start()
         finally:
             for w in self._writes:
                 os.close(w)
             self._writes = []
+        forked()
         deadline = time.monotonic() + timeout
         for i, rank in enumerate(self.ranks):
             rank._read_pid(deadline, self._proc.sentinel)
