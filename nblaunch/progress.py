@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Iterable, Optional, Protocol
 
+from .rank.term import start_thread
 from .wire.channel import GpuMemory, Metrics, Progress, Stopping
 
 __all__ = ["progress", "log"]  # what a user imports; the rank-side API is below, by name
@@ -66,7 +67,7 @@ class Reporter:
         self._keys = itertools.count(1)
         self._sent: dict[int, tuple] = {}
         self._wake = threading.Event()
-        threading.Thread(target=self._loop, name="nblaunch-progress", daemon=True).start()
+        start_thread(self._loop, "nblaunch-progress")  # the rank's main thread takes the SIGINT
 
     def add(self, bar: Row) -> None:
         """Make ``bar`` one of this rank's rows."""

@@ -183,6 +183,33 @@ def test_sys_exit_zero_is_a_return_and_nonzero_a_failure():
 # --- failures -------------------------------------------------------------------
 
 
+def _sigint_held_by_thread():
+    import threading
+
+    import nblaunch as nb
+
+    for _ in nb.progress(range(2), desc="starts the reporter thread"):
+        pass
+    def holds_sigint(tid: int) -> bool:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            mask = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        return bool(mask & (1 << (signal.SIGINT - 1)))
+
+    held = {t.name: holds_sigint(t.native_id) for t in threading.enumerate()
+            if t.name in ("nblaunch-parent-watch", "nblaunch-progress")}
+    held["main"] = holds_sigint(os.getpid())
+    return held
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_ranks_own_threads_leave_sigint_to_its_main_thread():
+    """Else a SIGINT taken by a helper thread leaves the main thread asleep in
+    a blocking call: a live call's interrupt was lost under load."""
+    held = notebook_launcher(_sigint_held_by_thread, num_processes=1, display="none", init_process_group=False)[0]
+    assert held["main"] is False, held
+    assert held["nblaunch-parent-watch"] is True and held["nblaunch-progress"] is True, held
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_rank_that_raises_is_named_with_its_traceback(method):
     start = time.monotonic()

@@ -68,7 +68,7 @@ def watch_parent(kernel_pid: int, parent: int) -> None:
                 _start_janitor()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=poll, name="nblaunch-parent-watch", daemon=True).start()
+    term.start_thread(poll, "nblaunch-parent-watch")
 
 
 def lead_own_group() -> None:

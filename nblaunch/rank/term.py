@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 
-__all__ = ["block", "watch", "pause"]
+__all__ = ["block", "watch", "pause", "start_thread"]
 
 _HOLDS = hasattr(signal, "sigtimedwait")  # Linux; elsewhere SIGTERM ends a rank as it always did
 _owners: set = set()
@@ -49,6 +49,26 @@ def block(owner: int, notice_folder: str) -> None:
     _owners.update({owner, os.getpid()})
     _folder = notice_folder
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def start_thread(target, name: str) -> threading.Thread:
+    """Start a daemon thread of nblaunch's own in a rank, born with SIGINT held.
+    A signal sent to a process goes to a thread that does not hold it, and the
+    main thread is passed over while another signal is pending for it (say the
+    stack dump's, just before a timeout's interrupt); a helper thread that
+    takes the SIGINT leaves the main thread asleep in a blocking call, where
+    the interrupt never lands (``time.sleep(60)`` in a live call slept through
+    it under load, and the ranks were given up)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    if not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return thread
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return thread
 
 
 def watch(report) -> None:
