@@ -152,8 +152,18 @@ def test_the_final_view_says_which_rank_held_the_others_back():
 # -- a real launch: the kernel's cost per rank-second of reporting ----------------------
 
 def _report(seconds):
+    import os
+
+    import torch.distributed as dist
+
     import nblaunch
 
+    # The ranks start as the zygote forks them: they meet on the launch's
+    # store first, so that every rank reports over the same seconds.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store.add("reporting", 1)
+    while store.add("reporting", 0) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
     first = None
     for i in nblaunch.progress(range(int(seconds * 10)), desc="train"):
         now = time.time()
