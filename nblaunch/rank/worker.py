@@ -72,8 +72,9 @@ def current_spec() -> Optional[WorkerSpec]:
 def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                output: Connection, parent: Optional[int] = None) -> None:
     """Entry point of a rank process. ``go`` delivers the rank's place in the
-    job (global rank, world size, where the ranks' store is) once every rank
-    has been started and the nodes have met. Then the rank serves calls
+    job (global rank, world size, where the ranks' store is) once the
+    kernel's forks are done and the nodes have met (a zygote's first ranks
+    get it while it still forks the later ones). Then the rank serves calls
     (:func:`_serve`): a launch's rank exactly one, ``job`` (``(fn, args,
     kwargs)``, or a ``payload.PackedJob`` of them when the rank was not
     forked); a live rank (``spec.live``, ``job`` None) those the kernel sends
