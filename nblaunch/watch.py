@@ -33,6 +33,7 @@ from .debug_desk import DebugDesk
 from .postmortem import with_rank_frames
 from .resources import Sampler
 from .rules import LeftEarly, Stalls
+from .stop_button import StopButton
 from .rank.results import max_result_bytes
 
 __all__ = ["CallWatch", "Stalls"]
@@ -50,6 +51,11 @@ TICK_S = 0.1
 # names the failure at once, and the error follows once every rank is gone.
 NAME_AT_ONCE_ABOVE = 16
 _NO_RESULT = object()
+
+
+def _large_job(size: int) -> str:
+    return (f"the job (fn, its arguments and what it captures) is {size / 2**20:.1f} MB per rank; tensors "
+            "travel through shared memory at no cost, so large data is best passed as tensors")
 
 
 @dataclass
@@ -104,18 +110,18 @@ class CallWatch:
     def run(self, begin: Callable[[], None]) -> list:
         t0 = time.monotonic()
         try:
-            begin()
-            self._sampler = Sampler(self._pool.gpu_devices())
-            if self._job_size > LARGE_JOB_BYTES:
-                self._view.notice(
-                    f"the job (fn, its arguments and what it captures) is {self._job_size / 2**20:.1f} MB per "
-                    "rank; tensors travel through shared memory at no cost, so large data is best passed as tensors")
-            self._view.show()
-            while not self._over():
-                self._pass()
-                if (self._timeout is not None and time.monotonic() - t0 - self._desk.held() > self._timeout
-                        and not self.broken and not self._desk.paused):
-                    self._time_out()
+            with StopButton() as stop:
+                begin()
+                self._sampler = Sampler(self._pool.gpu_devices())
+                if self._job_size > LARGE_JOB_BYTES:
+                    self._view.notice(_large_job(self._job_size))
+                self._view.show()
+                while not self._over():
+                    stop.check()
+                    self._pass()
+                    if (self._timeout is not None and time.monotonic() - t0 - self._desk.held() > self._timeout
+                            and not self.broken and not self._desk.paused):
+                        self._time_out()
         except KeyboardInterrupt as exc:
             self._interrupted_by_user(exc)
             raise

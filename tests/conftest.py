@@ -188,7 +188,7 @@ class Kernel:
             time.sleep(1.0)
             self._console.flush()
             with open(self.console_path, errors="replace") as f:
-                console = f.read()[-20000:]
+                console = _main_thread_first(f.read()[-20000:])
         except OSError as exc:
             console = f"(no console: {exc})"
         try:
@@ -226,6 +226,26 @@ class Kernel:
     def execute_async(self, code: str) -> str:
         return self.kc.execute(code)
 
+    def execute_started(self, code: str, timeout: float = 60) -> str:
+        """``execute_async``, returning once the cell runs: ipykernel ignores
+        SIGINT between cells, so a stop pressed before this is not the cell's
+        (it hung a test that pressed stop 6 ms after sending the cell).
+        Only the cell's "busy" status comes before it, and is dropped."""
+        msg_id = self.kc.execute(code)
+        for msg in self._iopub(timeout, "the cell did not start"):
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+                return msg_id
+
+    def _iopub(self, timeout: float, what: str):
+        """iopub's messages as they come; after ``timeout`` s, ``TimeoutError``
+        saying ``what`` did not happen, and where the kernel was."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                yield self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{what} within {timeout} s\n{self._where_it_hangs()}") from None
+
     def wait_for_output(self, needle: str, timeout: float = 60) -> str:
         """Read iopub until a stream message contains ``needle``."""
         seen = ""
@@ -245,12 +265,7 @@ class Kernel:
     def wait_for_reply(self, msg_id: str, timeout: float = 60) -> CellResult:
         """Collect iopub of ``msg_id`` until the kernel is idle again."""
         result = CellResult()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"no reply within {timeout} s\n{self._where_it_hangs()}") from None
+        for msg in self._iopub(timeout, "no reply"):
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -270,6 +285,16 @@ class Kernel:
         if getattr(self, "_own_console", None) is not None:
             os.unlink(self._own_console)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _main_thread_first(console: str) -> str:
+    """The console, led by its last dump's main thread (the cell's): a log
+    cut to its head and tail (CI's) kept only that thread's tail."""
+    end = console.rfind("_run_module_as_main")
+    start = max(console.rfind("Thread 0x", 0, end), console.rfind("thread 0x", 0, end))
+    if end < 0 or start < 0:
+        return console
+    return "the cell's thread, last seen:\n" + console[start:end] + "...\n\n" + console
 
 
 @dataclass

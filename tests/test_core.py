@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pickle
 import signal
+import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +25,7 @@ from nblaunch.rules import Stalls
 from nblaunch import live_watch
 from nblaunch.live_watch import LiveCallWatch
 from nblaunch.watch import CallWatch
+from nblaunch.stop_button import StopButton
 
 PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
 
@@ -34,7 +37,7 @@ class FakePool(RankPool):
     with the given event (``answers``), or never."""
 
     def __init__(self, size: int, script=(), answers: Optional[dict] = None, deaf=(), waits_in=None,
-                 keyboard_interrupt_at: Optional[int] = None):
+                 keyboard_interrupt_at: Optional[int] = None, lost_interrupt_at: Optional[int] = None):
         self.size = size
         self.log_dir = Path("/tmp/nblaunch-fake")
         self.placement = None
@@ -48,6 +51,7 @@ class FakePool(RankPool):
         self._deaf = set(deaf)
         self._waits_in = waits_in or {}
         self._kbi_at = keyboard_interrupt_at
+        self._lost_at = lost_interrupt_at
         self.polls = 0
         self.stopped = False
         self.sent: list = []
@@ -60,6 +64,8 @@ class FakePool(RankPool):
         self.polls += 1
         if self._kbi_at is not None and self.polls == self._kbi_at:
             raise KeyboardInterrupt
+        if self._lost_at is not None and self.polls == self._lost_at:
+            lose_an_interrupt()
         out, self._queued = self._queued, []
         if self._script:
             out += self._script.pop(0)
@@ -157,6 +163,29 @@ def quiet_view(size=2):
     return view
 
 
+def lose_an_interrupt() -> None:
+    """A real SIGINT whose ``KeyboardInterrupt`` is raised in a weakref
+    callback, which Python can only report (``sys.unraisablehook``): what a
+    stop pressed while the garbage collector ran one did."""
+    class Dropped:
+        pass
+
+    dropped = Dropped()
+    ref = weakref.ref(dropped, lambda _: signal.raise_signal(signal.SIGINT))  # noqa: F841 - alive till dropped is
+    del dropped
+
+
+@pytest.fixture
+def stop_button(monkeypatch):
+    """SIGINT as a cell's thread has it (a test worker may ignore it), and
+    the interrupts Python could only report."""
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_type))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield lost
+    signal.signal(signal.SIGINT, previous)
+
+
 def launch(pool, **kw):
     watch = CallWatch(pool, quiet_view(pool.size), 0, **kw)
     return watch, watch.run(pool.start)
@@ -220,6 +249,25 @@ def test_the_stop_button_stops_a_launch_and_shows_where_ranks_were():
     shown = "\n".join(info.value._render_traceback_())
     assert "every rank was stopped" in shown and "rank 0: in fake_loop" in shown
     assert pool.stopped
+
+
+def test_a_stop_python_lost_in_a_weakref_callback_still_stops_the_launch(stop_button):
+    pool = FakePool(2, [[started(0), started(1)]], lost_interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt) as info:
+        launch(pool)
+    assert stop_button == [KeyboardInterrupt]  # it was lost ...
+    assert pool.polls == 3 and pool.stopped  # ... and raised again at the watch's next pass
+    assert "every rank was stopped" in "\n".join(info.value._render_traceback_())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_handler_that_raises_nothing_is_left_so(stop_button):
+    noted = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    with StopButton() as stop:
+        signal.raise_signal(signal.SIGINT)
+        stop.check()
+    assert noted == [signal.SIGINT] and stop_button == []
 
 
 def test_a_rank_that_returned_while_its_peer_waits_in_a_collective_is_the_failure(monkeypatch):

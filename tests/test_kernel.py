@@ -204,7 +204,7 @@ def test_the_stop_button_early_in_a_launch_returns_at_once_and_leaks_nothing(ker
     before = [int(x) for x in kernel.execute("print('BEFORE', *counts())").stdout.split()[1:]]
     fds_before = set(kernel.execute("print(fds())").stdout.split())
     for delay in (0.01, 0.03, 0.06, 0.1, 0.15, 0.23, 0.4, 0.8):
-        msg_id = kernel.execute_async(
+        msg_id = kernel.execute_started(
             f"notebook_launcher(sleeper, num_processes=2, start_method='{method}', display='none')")
         time.sleep(delay)
         t0 = time.monotonic()
