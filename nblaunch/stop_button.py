@@ -10,11 +10,13 @@ launch ran on: seen 1 time in about 200 stops pressed early in a launch, in
 
 Within a :class:`StopButton`, the handler that raises the interrupt also
 notes it; the call watch's loop calls :meth:`StopButton.check` on every
-pass, which raises the press that never reached it.
+pass, which raises the press that never reached it. Python's report of the
+lost one is not shown: the cell gets the interrupt itself.
 """
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -28,6 +30,7 @@ class StopButton:
     def __init__(self):
         self._previous: Optional[Callable] = None
         self._pressed = False
+        self._report: Optional[Callable] = None  # sys.unraisablehook as it was
 
     def __enter__(self) -> "StopButton":
         if threading.current_thread() is threading.main_thread():
@@ -35,6 +38,7 @@ class StopButton:
             if callable(previous):  # ipykernel's default_int_handler while a cell runs
                 self._previous = previous
                 signal.signal(signal.SIGINT, self._press)
+                self._report, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _press(self, signum, frame) -> None:
@@ -43,6 +47,10 @@ class StopButton:
         except KeyboardInterrupt:  # a handler that only notes the signal raises nothing, and is left so
             self._pressed = True
             raise
+
+    def _unraisable(self, unraisable) -> None:
+        if not (unraisable.exc_type is KeyboardInterrupt and self._pressed):
+            self._report(unraisable)
 
     def check(self) -> None:
         """Raise ``KeyboardInterrupt`` for a press whose own was lost
@@ -55,3 +63,5 @@ class StopButton:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+            if sys.unraisablehook == self._unraisable:  # else another set its own since: it stays
+                sys.unraisablehook = self._report
