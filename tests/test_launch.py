@@ -210,6 +210,47 @@ def test_a_ranks_own_threads_leave_sigint_to_its_main_thread():
     assert held["nblaunch-parent-watch"] is True and held["nblaunch-progress"] is True, held
 
 
+_WHO_TAKES_SIGINT = """
+import signal, threading, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # every thread: taken only by sigtimedwait
+got = []
+waiting = threading.Event()
+def helper():
+    waiting.set()
+    if signal.sigtimedwait({signal.SIGINT}, 6) is not None:
+        got.append("helper")
+thread = threading.Thread(target=helper)
+thread.start()
+waiting.wait()
+print("waiting", flush=True)
+time.sleep(2)  # the signal comes meanwhile; the helper waits for one the whole time
+if signal.sigtimedwait({signal.SIGINT}, 0) is not None:
+    got.append("main")
+thread.join()
+print(*got, flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill is Linux's")
+@pytest.mark.parametrize("send, taker", [("signal_main_thread", "main"), ("os.kill", "helper")])
+def test_a_live_ranks_interrupt_goes_to_its_main_thread(send, taker):
+    """What the kernel sends a live rank's SIGINT with: to the process
+    (os.kill), a thread ready for it takes it, even while the main thread
+    is the one to wake; to the main thread, nothing else can."""
+    import subprocess
+
+    from nblaunch.linux import signal_main_thread
+
+    child = subprocess.Popen([sys.executable, "-c", _WHO_TAKES_SIGINT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        (signal_main_thread if send == "signal_main_thread" else os.kill)(child.pid, signal.SIGINT)
+        assert child.stdout.read().split() == [taker]
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver", *matrix("spawn")])
 def test_rank_that_raises_is_named_with_its_traceback(method):
     start = time.monotonic()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 
+from .. import linux
 from ..errors import LaunchError
 from ..logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
@@ -358,11 +359,12 @@ def _wait_for(event: threading.Event, errors: list) -> None:
 
 
 def _interrupt(p: _Proc, how: str) -> bool:
-    """A live rank's interrupt: what it is for, in its file, then SIGINT to the rank alone
-    (its DataLoader workers follow their rank)."""
+    """A live rank's interrupt: what it is for, in its file, then SIGINT to the
+    rank's main thread alone, which it wakes from a blocking call (its
+    DataLoader workers follow their rank)."""
     try:
         write_atomically(p.spec.interrupt_file, how)
-        os.kill(p.proc.pid, signal.SIGINT)
+        linux.signal_main_thread(p.proc.pid, signal.SIGINT)
         return True
     except (OSError, TypeError):
         return False

@@ -8,18 +8,17 @@ main thread's innermost frames, with the source line, per rank.
 """
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import linecache
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+from .. import linux
 from .frames import cell_of, is_machinery
 
 __all__ = ["register", "collect", "collectives", "format_stacks"]
@@ -33,22 +32,11 @@ _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*
 _THREAD = re.compile(r"^(?:(?:Current thread|Thread) (?P<ident>0x[0-9a-f]+)|Stack \(most recent call first\))")
 
 
-def _tgkill():
-    """glibc's ``tgkill``: a signal to one thread of another process."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).tgkill
-    except (OSError, AttributeError):
-        return None
-
-
-# On Linux the kernel signals a rank's main thread itself (its thread id is
-# the rank's pid), and the rank dumps that thread alone: faulthandler walks
-# every other thread's frames without the GIL, and a thread starting or
-# ending meanwhile (tqdm's monitor, a DataLoader's pin thread) crashed a
-# rank now and then (seen: SIGSEGV in about 1 of 50 dumps of a busy rank).
-_TGKILL = _tgkill()
+# The kernel signals a rank's main thread itself (linux.signal_main_thread),
+# and the rank dumps that thread alone: faulthandler walks every other
+# thread's frames without the GIL, and a thread starting or ending meanwhile
+# (tqdm's monitor, a DataLoader's pin thread) crashed a rank now and then
+# (seen: SIGSEGV in about 1 of 50 dumps of a busy rank).
 
 
 def register(path: str) -> None:
@@ -58,12 +46,7 @@ def register(path: str) -> None:
     fh.write(f"main {threading.main_thread().ident:#018x}\n")
     fh.flush()
     _keep_open.append(fh)
-    faulthandler.register(SIGNAL, file=fh, all_threads=_TGKILL is None, chain=False)
-
-
-def _signal_main_thread(pid: int) -> None:
-    if _TGKILL is None or _TGKILL(pid, pid, int(SIGNAL)) != 0:
-        os.kill(pid, SIGNAL)
+    faulthandler.register(SIGNAL, file=fh, all_threads=linux.tgkill is None, chain=False)
 
 
 def collect(ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
@@ -73,7 +56,7 @@ def collect(ranks: dict[int, tuple[int, str]]) -> dict[int, Optional[str]]:
     for rank, (pid, path) in ranks.items():
         sizes[rank] = _size(path)
         try:
-            _signal_main_thread(pid)
+            linux.signal_main_thread(pid, SIGNAL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + ANSWER_S
