@@ -5,8 +5,9 @@ also within a weakref callback or a ``__del__`` that the garbage collector
 runs there; a ``KeyboardInterrupt`` raised in one of those cannot reach the
 code it interrupted, so Python only reports it (``sys.unraisablehook``,
 "Exception ignored in ...") and goes on. The stop button was lost and the
-launch ran on: seen 1 time in about 200 stops pressed early in a launch, in
-``WeakSet._remove`` (a launch makes and drops threads and pipes).
+launch ran on: seen twice in about 780 stops pressed early in a launch on a
+busy machine, in ``WeakSet._remove`` (a launch makes and drops threads and
+pipes).
 
 Within a :class:`StopButton`, the handler that raises the interrupt also
 notes it; the call watch's loop calls :meth:`StopButton.check` on every
