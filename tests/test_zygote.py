@@ -71,6 +71,53 @@ def test_forked_ranks_own_memory_stays_within_a_fifth_of_torch_forks(tmp_path):
         k.shutdown()
 
 
+GC_COPY = """
+import gc, os, psutil, torch.multiprocessing as tmp
+from nblaunch import notebook_launcher
+notebook_objects = [{"i": i, "s": str(i)} for i in range(400_000)]   # about 100 MiB of the kernel's heap
+
+def copied_by_a_collection(i=0, out=None):
+    before = psutil.Process().memory_full_info().uss
+    gc.collect()
+    grew = psutil.Process().memory_full_info().uss - before
+    if out is None:
+        return grew
+    with open(os.path.join(out, str(i)), "w") as f:
+        f.write(str(grew))
+
+def torch_ranks(out, n=2):
+    os.makedirs(out)
+    tmp.start_processes(copied_by_a_collection, args=(out,), nprocs=n, start_method="fork")
+    return [int(open(os.path.join(out, str(i))).read()) for i in range(n)]
+"""
+
+
+def test_a_full_collection_in_a_forked_rank_copies_none_of_the_kernels_heap(tmp_path):
+    """A forked rank shares the kernel's objects until it writes to them, and
+    a full collection writes to every object it visits. What the rank
+    inherited is frozen (never collected in it), on both ways a rank is
+    forked: by the kernel itself (its first small launch) and by a zygote.
+    torch's forked ranks, in the same kernel, show what that saves."""
+    k = Kernel()
+    try:
+        reply = k.execute(GC_COPY, timeout=180)
+        assert reply.error is None, reply.error
+        seen = {}
+        for way, n in (("forked by the kernel", 2), ("forked by a zygote", 4)):
+            reply = k.execute(f"print(notebook_launcher(copied_by_a_collection, num_processes={n}, "
+                              "init_process_group=False, display='none'))")
+            assert reply.error is None, reply.error
+            seen[way] = max(int(x) for x in reply.stdout.strip().splitlines()[-1].strip("[]").split(","))
+        reply = k.execute(f"print(max(torch_ranks({str(tmp_path / 'torch')!r})))")
+        assert reply.error is None, reply.error
+        seen["torch fork"] = int(reply.stdout.split()[-1])
+        mib = {way: f"{grew / 2**20:.1f} MiB" for way, grew in seen.items()}
+        assert seen["torch fork"] > 20 * 2**20, f"the heap a collection would copy is not there: {mib}"
+        assert seen["forked by the kernel"] < 8 * 2**20 and seen["forked by a zygote"] < 8 * 2**20, mib
+    finally:
+        k.shutdown()
+
+
 class _Unclearable(dict):
     def clear(self):
         raise RuntimeError("this state cannot be cleared")

@@ -22,6 +22,7 @@ with the kernel (a parent-death signal) and its ranks die with it (theirs).
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -155,6 +156,10 @@ def _serve(parent: int, ranks: list[tuple], writes: list[int], kernel_only: list
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
+    # The kernel's objects are never collected here, nor in the ranks: a
+    # collection writes to every object it visits, and would copy the whole
+    # of the kernel's heap into this process (see rank.worker.run_worker).
+    gc.freeze()
     for end in kernel_only:
         _close(end)
     # Jupyter interrupts the kernel's process group: that SIGINT is not for

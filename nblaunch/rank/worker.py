@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import pickle
 import signal
@@ -83,6 +84,12 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     the process that started this one, when it may already be gone (a rank
     forked by :mod:`nblaunch.engines.zygote`)."""
     global _current
+    # What the rank inherited or imported is never collected in it: a full
+    # collection visits (writes to) every object, so a forked rank would copy
+    # the kernel's whole heap, 44 MiB and 0.1 s for 400,000 of the notebook's
+    # objects (measured; 4 MiB and 0.3 ms frozen). Garbage fn makes is
+    # collected as usual; ``gc.unfreeze()`` in fn undoes this.
+    gc.freeze()
     # Before any thread: SIGTERM is nblaunch's stop or the job's end, told apart by its sender.
     term.block(spec.kernel_pid, os.path.dirname(spec.stack_file) if spec.stack_file else "")
     prepared = rank_setup.prepared()  # by a zygote, before it forked this rank
