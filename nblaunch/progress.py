@@ -3,7 +3,9 @@
 Inside a launch, calls only update this rank's state in memory; a daemon
 thread sends the latest state (and the metrics logged since) at most
 ``SEND_HZ`` times a second, so a training step never waits on the kernel and
-a busy kernel never blocks a rank. Progress ticks are coalesced (the latest
+a busy kernel never blocks a rank. The thread starts with the rank's first
+row or metric, or once it uses its GPU: a rank with nothing to report runs
+without it. Progress ticks are coalesced (the latest
 state always gets through); metric points are kept in a bounded buffer.
 
 Outside a launch both still work: ``progress`` draws a plain text bar on
@@ -67,11 +69,23 @@ class Reporter:
         self._keys = itertools.count(1)
         self._sent: dict[int, tuple] = {}
         self._wake = threading.Event()
-        start_thread(self._loop, "nblaunch-progress")  # the rank's main thread takes the SIGINT
+        self._start_lock = threading.Lock()
+        self.running = False
+
+    def start(self) -> None:
+        """Start the sending thread, once. Not at the rank's birth: a thread
+        costs every rank of a launch its start and its end, and most of the
+        launch's time per added rank is such per-process work."""
+        with self._start_lock:
+            if not self.running:
+                start_thread(self._loop, "nblaunch-progress")  # the rank's main thread takes the SIGINT
+                self.running = True
 
     def add(self, bar: Row) -> None:
         """Make ``bar`` one of this rank's rows."""
         self.bars[next(self._keys)] = bar
+        if not self.running:
+            self.start()
 
     def wake(self) -> None:
         """Send now rather than at the next tick (a row has closed)."""
@@ -187,6 +201,15 @@ def torch_imported() -> None:
     _torch_ready = True
 
 
+def start_if_gpu() -> None:
+    """Called by the rank's parent-watch thread at each of its polls: once
+    the rank has initialised CUDA, its reporter runs (and reads the GPU's
+    memory) whether or not the rank reports anything else."""
+    if _reporter is not None and not _reporter.running and _torch_ready:
+        if sys.modules["torch"].cuda.is_initialized():
+            _reporter.start()
+
+
 # Loop steps of the current call (every item of a bar's iteration, every
 # update() of a progress bar); once the stop button was pressed, how the
 # ranks agree on the step they stop at; once agreed, that step.
@@ -202,6 +225,8 @@ def count_step() -> None:
     global _steps, _stop_at
     _steps += 1
     if _agreement is not None and _stop_at is None:
+        if _reporter is not None and not _reporter.running:  # it tells the kernel the step agreed on
+            _reporter.start()
         try:
             _stop_at = _agreement().offer(_steps)
         except Exception:  # the store is gone: the kernel is ending the ranks anyway
@@ -339,3 +364,5 @@ def log(step: Optional[int] = None, **scalars: float) -> None:
         except (TypeError, ValueError):
             raise TypeError(f"log({name}=...) takes numbers, got {type(value).__name__}") from None
     _reporter.metrics.append((step, time.time(), values))
+    if not _reporter.running:
+        _reporter.start()

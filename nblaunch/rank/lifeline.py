@@ -40,9 +40,11 @@ def default_stop_signals() -> None:
             signal.signal(sig, signal.SIG_DFL)
 
 
-def watch_parent(kernel_pid: int, parent: int) -> None:
+def watch_parent(kernel_pid: int, parent: int, each_poll: Callable[[], None] = lambda: None) -> None:
     """Die with the kernel: a kernel-side signal, plus a poll that catches a
-    parent that died before the signal was armed (or a forkserver parent)."""
+    parent that died before the signal was armed (or a forkserver parent).
+    ``each_poll`` runs at every poll too (it must not raise), on this thread
+    that every rank has anyway."""
     if sys.platform.startswith("linux") and linux.prctl is not None:
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         # Orphans of what fn starts (a double fork, a daemon) become this
@@ -66,6 +68,7 @@ def watch_parent(kernel_pid: int, parent: int) -> None:
             # the rank has a child to look after.
             if _janitor_pipe is None and _leads_group.is_set() and _has_children():
                 _start_janitor()
+            each_poll()
         os.kill(os.getpid(), signal.SIGKILL)
 
     term.start_thread(poll, "nblaunch-parent-watch")

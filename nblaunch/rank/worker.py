@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from .. import linux
-from ..progress import begin_rank, finish_call, new_call
+from ..progress import begin_rank, finish_call, new_call, start_if_gpu
 from ..wire.channel import CLOSE, RELEASE, Answer, Call, EventSender, Phase, Preempting, Result, Started
 from . import debugger, lifeline, setup as rank_setup, stacks, term
 from .interrupts import CallInterrupt, group_seq
@@ -95,7 +95,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     prepared = rank_setup.prepared()  # by a zygote, before it forked this rank
     if prepared is None:
         lifeline.default_stop_signals()
-    lifeline.watch_parent(spec.kernel_pid, os.getppid() if parent is None else parent)
+    lifeline.watch_parent(spec.kernel_pid, os.getppid() if parent is None else parent, each_poll=_start_if_gpu)
     rank_setup.point_fds(output)
     if prepared is None:
         rank_setup.become_rank(spec)
@@ -131,6 +131,13 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     if made_group:
         _destroy_group()
     _leave(0)
+
+
+def _start_if_gpu() -> None:
+    try:
+        start_if_gpu()
+    except Exception:  # a torch half imported by the main thread: the next poll
+        pass
 
 
 def _linger_and_leave() -> None:
