@@ -83,3 +83,48 @@ def test_a_failing_read_does_not_stop_the_rows(sender, capfd):
     bar.n = 4
     _progress_with(sender, 4)
     assert "progress report failed once" in capfd.readouterr().err
+
+
+@pytest.fixture
+def thread_starts(monkeypatch):
+    """The reporter's thread starts, recorded instead of made."""
+    started: list = []
+    monkeypatch.setattr(progress, "start_thread", lambda target, name: started.append(name))
+    return started
+
+
+def test_a_rank_with_nothing_to_report_has_no_reporter_thread(sender, thread_starts, monkeypatch):
+    monkeypatch.setattr(progress, "_reporter", None)
+    progress.begin_rank(sender, 0)
+    progress.new_call(0)
+    progress.finish_call()
+    assert thread_starts == []
+
+
+@pytest.mark.parametrize("first", ["a bar", "a metric", "a second bar"])
+def test_the_reporter_thread_starts_once_with_the_first_thing_to_send(sender, thread_starts, monkeypatch, first):
+    monkeypatch.setattr(progress, "_reporter", None)
+    progress.begin_rank(sender, 0)
+    if first == "a metric":
+        progress.log(loss=1.0)
+        progress.log(loss=0.5)
+    else:
+        progress.progress(total=3)
+        if first == "a second bar":
+            progress.progress(total=5)
+    assert thread_starts == ["nblaunch-progress"]
+
+
+def test_the_reporter_thread_starts_once_the_rank_uses_its_gpu(sender, thread_starts, monkeypatch):
+    """Its GPU memory is shown whether or not the rank reports (torch.cuda faked: no GPU here)."""
+    cuda = types.SimpleNamespace(is_initialized=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(progress, "_torch_ready", True)
+    monkeypatch.setattr(progress, "_reporter", None)
+    progress.begin_rank(sender, 0)
+    progress.start_if_gpu()
+    assert thread_starts == []
+    cuda.is_initialized = lambda: True
+    progress.start_if_gpu()
+    progress.start_if_gpu()
+    assert thread_starts == ["nblaunch-progress"]
