@@ -95,16 +95,19 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", help="node counts of the per-added-node sweep")
     parser.add_argument("--sweep-rounds", type=int, default=3)
     parser.add_argument("--sweep-only", action="store_true", help="only the node sweep")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each node of the sweep")
     opts = parser.parse_args()
     rounds = 1 if opts.smoke else opts.rounds
     sizes = [2, 3] if opts.smoke and not opts.nodes else opts.nodes
     if sizes:
         import slurm_sweep
 
-        per_node = slurm_sweep.sweep(sizes, 1 if opts.smoke else opts.sweep_rounds, TRAIN, all_reduce)
+        per_node = slurm_sweep.sweep(sizes, 1 if opts.smoke else opts.sweep_rounds, TRAIN, all_reduce,
+                                     opts.ranks_per_node)
         print(slurm_sweep.table(per_node), flush=True)
         if not opts.smoke:
-            (HERE / "results" / "slurm_nodes.json").write_text(json.dumps(per_node, indent=2) + "\n")
+            name = "slurm_nodes.json" if opts.ranks_per_node == 1 else f"slurm_nodes_{opts.ranks_per_node}_per_node.json"
+            (HERE / "results" / name).write_text(json.dumps(per_node, indent=2) + "\n")
         if opts.sweep_only:
             return
     import torch  # noqa: F401 - a notebook has it imported before it launches

@@ -79,43 +79,46 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _srun(job: str, script: str, nodes: int, port: int) -> float:
+def _srun(job: str, script: str, nodes: int, port: int, per_node: int = 1) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_")) or k == "SLURM_CONF"}
     env.update(BENCH_NODE_ADDR="127.0.0.1", BENCH_PORT=str(port))
     t = time.perf_counter()
-    subprocess.run(["srun", f"--jobid={job}", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1",
+    subprocess.run(["srun", f"--jobid={job}", "--overlap", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
                     "--kill-on-bad-exit=1", sys.executable, script, "srun"],
                    check=True, env=env, stdin=subprocess.DEVNULL)
     return time.perf_counter() - t
 
 
-def _nblaunch(job: str, nodes: int, fn) -> float:
+def _nblaunch(job: str, nodes: int, fn, per_node: int = 1) -> float:
     import nblaunch
 
     t = time.perf_counter()
-    out = nblaunch.notebook_launcher(fn, num_processes=1, cluster=nblaunch.Slurm(job=job, nodes=nodes),
+    out = nblaunch.notebook_launcher(fn, num_processes=per_node, cluster=nblaunch.Slurm(job=job, nodes=nodes),
                                      display="none")
     took = time.perf_counter() - t
-    assert list(out) == [float(nodes)] * nodes, out
+    assert list(out) == [float(nodes * per_node)] * (nodes * per_node), out
     return took
 
 
-def sweep(sizes, rounds: int, train: str, fn) -> dict:
-    """On a private cluster of ``max(sizes)`` nodes: srun and nblaunch at each size."""
+def sweep(sizes, rounds: int, train: str, fn, per_node: int = 1) -> dict:
+    """On a private cluster of ``max(sizes)`` nodes: srun and nblaunch at
+    each size, ``per_node`` ranks on each node (srun: that many tasks, each
+    its own Python importing torch; nblaunch: one agent forking them)."""
     times: dict = {"srun": {n: [] for n in sizes}, "nblaunch": {n: [] for n in sizes}}
     with private_cluster(max(sizes)), tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(["salloc", "--no-shell", f"--nodes={max(sizes)}", "--ntasks-per-node=1",
+        out = subprocess.run(["salloc", "--no-shell", f"--nodes={max(sizes)}", f"--ntasks-per-node={per_node}",
                               "--job-name=nblaunch-bench-sweep"], capture_output=True, text=True, check=True)
         job = re.search(r"job allocation (\d+)", out.stdout + out.stderr).group(1)
         try:
             script = os.path.join(tmp, "train.py")
             Path(script).write_text(train)
-            _srun(job, script, min(sizes), 29700)  # warm-up: the nodes' first step, file caches
-            _nblaunch(job, min(sizes), fn)
+            _srun(job, script, min(sizes), 29700, per_node)  # warm-up: the nodes' first step, file caches
+            _nblaunch(job, min(sizes), fn, per_node)
             port = 29701
             for r in range(rounds):
                 for n in sizes:
-                    pair = [("srun", lambda: _srun(job, script, n, port)), ("nblaunch", lambda: _nblaunch(job, n, fn))]
+                    pair = [("srun", lambda: _srun(job, script, n, port, per_node)),
+                            ("nblaunch", lambda: _nblaunch(job, n, fn, per_node))]
                     for name, call in (pair if r % 2 == 0 else pair[::-1]):
                         times[name][n].append(call())
                     port += 1
@@ -125,14 +128,15 @@ def sweep(sizes, rounds: int, train: str, fn) -> dict:
             subprocess.run(["scancel", job], check=False)
     med = {name: {n: statistics.median(v) for n, v in by.items()} for name, by in times.items()}
     fits = {name: fit(m) for name, m in med.items()}
-    return {"scenario": "N nodes x 1 rank (gloo, one all_reduce), call -> every rank done, private cluster",
+    return {"scenario": f"N nodes x {per_node} rank(s) (gloo, one all_reduce), call -> every rank done, private cluster",
+            "ranks_per_node": per_node,
             "rounds": rounds, "raw_s": times, "median_s": med, "fit": fits,
             "nblaunch/srun per added node": fits["nblaunch"]["per_rank_s"] / fits["srun"]["per_rank_s"]}
 
 
 def table(result: dict) -> str:
     med = result["median_s"]
-    lines = ["| nodes (1 rank each) | srun (s) | nblaunch (s) |", "|---|---|---|"]
+    lines = [f"| nodes ({result.get('ranks_per_node', 1)} rank(s) each) | srun (s) | nblaunch (s) |", "|---|---|---|"]
     for n in med["srun"]:
         lines.append(f"| {n} | {med['srun'][n]:.2f} | {med['nblaunch'][n]:.2f} |")
     f = result["fit"]
