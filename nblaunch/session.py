@@ -53,6 +53,11 @@ CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 # store thread held glibc's resolver lock deadlocks in getnameinfo (seen
 # with gdb), and every fork of every launch would have to wait for every
 # other's threads to be quiet. A second one is refused at once instead.
+# Held by the launch or call running now. It is taken by the ``with``
+# statement itself, whose release Python always runs: a press of the stop
+# button just after an ``acquire()`` written out (before the with block)
+# kept it for good, and every later launch of the kernel was refused (found
+# by pressing at each line of a launch in turn).
 _one_at_a_time_lock = threading.Lock()
 
 _active: Optional[weakref.ref] = None
@@ -424,20 +429,14 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-class one_at_a_time:
-    """One launch or call on live ranks at a time in this kernel (see ``_one_at_a_time_lock``)."""
-
-    def __init__(self, what: str = "a launch or a call on live ranks is already running in this kernel "
-                                  "(from another thread); wait for it to return"):
-        self._what = what
-
-    def __enter__(self):
-        if not _one_at_a_time_lock.acquire(blocking=False):
-            raise LaunchError(self._what)
-        return self
-
-    def __exit__(self, *exc):
-        _one_at_a_time_lock.release()
+def one_at_a_time(what: str = "a launch or a call on live ranks is already running in this kernel "
+                               "(from another thread); wait for it to return") -> threading.Lock:
+    """For a ``with`` statement: one launch or call on live ranks at a time
+    in this kernel (see ``_one_at_a_time_lock``). A second is refused at
+    once; two begun at the very same instant run one after the other."""
+    if _one_at_a_time_lock.locked():
+        raise LaunchError(what)
+    return _one_at_a_time_lock
 
 
 def _pack(fn, args: tuple, kwargs: dict) -> bytes:
