@@ -3,6 +3,9 @@ kernel made ready to be a rank once, so that each rank shares those pages
 instead of copying them. Real kernels and real processes."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import types
 
@@ -154,6 +157,28 @@ def test_forked_ranks_share_one_parent_that_leaves_with_them():
     assert len(set(ppids)) == 1 and ppids[0] != me.pid  # the zygote, not the kernel
     new = [p.pid for p in me.children(recursive=True) if p.pid not in before]
     assert wait_gone(new, timeout=5) == []
+
+
+def test_jupyters_interrupt_as_the_zygote_is_forked_stops_the_launch_and_nothing_else():
+    """The interrupt goes to the kernel's whole process group, which the
+    zygote is in until it takes its own: there it raised KeyboardInterrupt
+    in the zygote's start-up (a traceback in the cell), and writing that
+    traceback could hang on a lock another kernel thread held at the fork,
+    so the zygote outlived the launch (CI; 3 in 200 such interrupts here)."""
+    script = os.path.join(os.path.dirname(__file__), "group_interrupt.py")
+    done = subprocess.run([sys.executable, script, "20"], capture_output=True, text=True, timeout=240,
+                          start_new_session=True)  # a group of its own, as a kernel has
+    assert done.returncode == 0, done.stderr[-3000:]
+    launches = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(launches) == 20
+    for launch in launches:
+        assert launch["raised"] == "KeyboardInterrupt", launch
+        assert launch["took"] < 1.5 and launch["left"] == [], launch
+        assert launch["zygote_exit"] == 0, launch  # it left on its own, its ranks reaped
+        if launch["zygote_got_it"]:
+            assert launch["zygote_held_it"], launch  # its handler never ran
+    assert sum(launch["zygote_got_it"] for launch in launches) >= 5, "too few interrupts reached a zygote"
+    assert "nblaunch-zygote" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def exit_after_print(code):

@@ -98,6 +98,16 @@ class Starter:
                 Starter._current = None
 
     def _run(self) -> None:
+        # What this thread forks is in the kernel's process group until it
+        # takes one of its own, and Jupyter's interrupt goes to that whole
+        # group: SIGINT in the zygote's start-up raised KeyboardInterrupt,
+        # and writing its traceback could wait for good on a stream lock
+        # another kernel thread held at the fork (the zygote outlived the
+        # launch; 3 in 200 group interrupts right after its fork). Held here,
+        # SIGINT reaches the kernel's main thread, and is born held in every
+        # child; the rank lets it in once it leads its own group.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while True:
             fn, done = self._jobs.get()
             try:

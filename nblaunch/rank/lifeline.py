@@ -76,9 +76,17 @@ def watch_parent(kernel_pid: int, parent: int, each_poll: Callable[[], None] = l
 
 def lead_own_group() -> None:
     """Make this rank the leader of a process group of its own, the group its
-    janitor ends (the kernel's SIGINT is the kernel's to handle)."""
+    janitor ends (the kernel's SIGINT is the kernel's to handle), then let
+    SIGINT in: a rank is born with it held (``engines.procs.Starter``), and
+    one sent to the kernel's group before this rank left it was not for it."""
     os.setpgid(0, 0)
     _leads_group.set()
+    if hasattr(signal, "pthread_sigmask"):
+        if signal.SIGINT in signal.sigpending():
+            handler = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending signal ignored is dropped
+            signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def end_children() -> None:
