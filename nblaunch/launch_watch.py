@@ -29,14 +29,14 @@ class LaunchWatch(CallWatch):
         self.steps: dict[int, int] = {}
 
     def run(self, begin) -> list:
-        """The call; preemption signals are caught once its ranks are started."""
-        def begin_then_arm() -> None:
-            begin()
+        """The call; preemption signals are caught from before its ranks start."""
+        def arm_then_begin() -> None:
             if self._catcher is not None:
                 self._catcher.arm()
+            begin()
 
         try:
-            return super().run(begin_then_arm)
+            return super().run(arm_then_begin)
         finally:
             if self._catcher is not None:
                 self._catcher.disarm()

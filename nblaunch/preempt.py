@@ -94,9 +94,13 @@ class Catcher:
         self._previous: dict = {}
 
     def arm(self) -> None:
-        """Catch from now on. Armed only once the generation's ranks are
-        started: a process forked meanwhile would inherit the handlers (a
-        rank's SIGUSR1 is its stack dump)."""
+        """Catch from now on: before the generation's ranks start, since a
+        rank may be in ``fn`` before the kernel hears it started (a notice
+        then ended the kernel: a test under load). What the kernel forks
+        meanwhile (a zygote, a rank) has the default actions back from its
+        first instant (:func:`_defaults_in_child`): a rank's own SIGUSR1 is
+        its stack dump."""
+        global _armed
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in CAUGHT:
                 # Only a signal nothing else handles (it would end the kernel):
@@ -106,12 +110,16 @@ class Catcher:
                 # a stack dump many set in their kernel) could not be put back.
                 if unhandled(sig):
                     self._previous[sig] = signal.signal(sig, self._handler)
+            _armed = self
 
     def disarm(self) -> None:
         """The kernel's own handlers back."""
+        global _armed
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if _armed is self:
+            _armed = None
 
     def __enter__(self) -> "Catcher":
         self.arm()
@@ -131,6 +139,23 @@ class Catcher:
     @property
     def caught(self) -> bool:
         return self.signal is not None
+
+
+_armed: Optional[Catcher] = None  # the catcher whose handlers are set now
+
+
+def _defaults_in_child() -> None:
+    """Right after a fork: a catcher's handlers are the kernel's alone."""
+    global _armed
+    catcher, _armed = _armed, None
+    if catcher is not None:
+        for sig, previous in catcher._previous.items():
+            signal.signal(sig, previous)
+        catcher._previous = {}  # this process's copy
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_defaults_in_child)
 
 
 def unhandled(sig: int) -> bool:

@@ -5,8 +5,11 @@ rank nblaunch.preempted() and a grace to save and return. Driven from this
 (pytest) process, with real rank processes."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -307,6 +310,18 @@ def test_good_resilience_settings_are_kept():
     assert (c.min_nodes, c.preempt_grace) == (2, 0)
     c = LaunchConfig(2, num_nodes=3, rdzv_endpoint="127.0.0.1:29400", max_restarts=1, min_nodes=2)
     assert c.min_nodes == 2  # nodes joined by the c10d rendezvous go on without a lost one too
+
+
+def test_a_notice_while_the_ranks_start_is_caught_and_they_save():
+    """A rank can be in ``fn`` before the kernel hears that it started: the
+    notice was caught only from then on, and one that came earlier ended
+    the kernel (the test below, once, under load). Here it comes right after
+    the zygote's fork, before any rank is told its place."""
+    script = os.path.join(os.path.dirname(__file__), "notice_at_fork.py")
+    done = subprocess.run([sys.executable, script, "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    launches = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert launches == [{"results": ["saved", "saved"]}] * 3, done.stderr[-3000:]
 
 
 def test_sigterm_or_sigusr1_to_a_real_kernel_lets_the_ranks_save_and_the_kernel_lives_on(tmp_path):
