@@ -246,23 +246,25 @@ def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) 
     make_view = _view_maker(run)
     # In flight from now, not from when its thread has made the engine: a
     # launch the cell makes next must not fork while this thread runs.
-    inflight.enter(lambda others: None)
+    def leave() -> None:
+        inflight.leave(run)
 
     def watch() -> None:
         try:
             session = Session(config, live=False)
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()
-            inflight.leave()
+            leave()
             run._finish("failed", error=exc)
             return
         session.make_view = make_view
-        run._watch(session, fn, args, kwargs, release=inflight.leave)
+        run._watch(session, fn, args, kwargs, release=leave)
 
     try:
+        inflight.enter(run, lambda others: None)
         threading.Thread(target=contextvars.copy_context().run, args=(watch,), name=f"nblaunch-run-{run_id}",
                          daemon=True).start()
     except BaseException:
-        inflight.leave()
+        leave()
         raise
     return run
 

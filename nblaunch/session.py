@@ -97,8 +97,6 @@ class Session:
     def __init__(self, config: LaunchConfig, live: bool):
         self.config = config
         self.live = live
-        self.engine: Engine = engine_for(config, live=live)
-        self.world_size = self.engine.world_size
         self.pool: Optional[RankPool] = None
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
@@ -109,6 +107,10 @@ class Session:
         # A launch's view of each generation, ``make_view(display, show_after=...)``:
         # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
         self.make_view = make_display
+        # Made last: from here on, whoever made the session closes it (an
+        # engine holds its place among the launches in flight, and a store).
+        self.engine: Engine = engine_for(config, live=live)
+        self.world_size = self.engine.world_size
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -120,30 +122,34 @@ class Session:
         the next generation's view, and the last attempt's ``WorkerError``
         lists every attempt's cause. A preemption (:mod:`nblaunch.preempt`)
         is never restarted: the job is ending."""
-        c, engine = self.config, self.engine
-        global_method = multiprocessing.get_start_method(allow_none=True)
-        notices = [engine.notice] if engine.notice else []
-        history = self.history = History(c.max_restarts)
-        try:
-            job = engine.job(fn, tuple(args), kwargs)
-            catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
-            for attempt in range(c.max_restarts + 1):
-                try:
-                    results = self._attempt(job, attempt, notices + history.lines, catcher)
-                    results.restarts = list(history.lines)
-                    return results
-                except WorkerError as exc:
-                    if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
-                        raise history.final(exc) from exc.__cause__
-                    self.restarts += 1
-                    history.record(exc, self._steps, engine.job_nodes, engine.job_world_size)
-            raise AssertionError("unreachable")
+        global_method = ""  # not read yet
+        try:  # first: the stop button pressed anywhere from here leaves the engine closed
+            global_method = multiprocessing.get_start_method(allow_none=True)
+            return self._attempts(fn, args, kwargs)
         finally:
-            engine.close()
+            self.engine.close()
             if global_method is None:
                 # Starting spawn/forkserver processes makes multiprocessing fix
                 # its global default as a side effect; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
+
+    def _attempts(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
+        c, engine = self.config, self.engine
+        notices = [engine.notice] if engine.notice else []
+        history = self.history = History(c.max_restarts)
+        job = engine.job(fn, tuple(args), kwargs)
+        catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
+        for attempt in range(c.max_restarts + 1):
+            try:
+                results = self._attempt(job, attempt, notices + history.lines, catcher)
+                results.restarts = list(history.lines)
+                return results
+            except WorkerError as exc:
+                if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
+                    raise history.final(exc) from exc.__cause__
+                self.restarts += 1
+                history.record(exc, self._steps, engine.job_nodes, engine.job_world_size)
+        raise AssertionError("unreachable")
 
     def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""

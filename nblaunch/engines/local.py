@@ -26,17 +26,15 @@ class LocalEngine(Engine):
 
     def __init__(self, config, live: bool):
         self.config = config
-        self._counted = True  # in inflight's count until close()
-        self.plan = inflight.enter(lambda others: plan_ranks(config, live=live,
-                                                             shared=bool(others) or config.background))
-        self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
-        self.world_size = config.num_processes
-        self.pg_timeout = self.plan.pg_timeout
-        try:
+        try:  # in inflight's count until close()
+            self.plan = inflight.enter(self, lambda others: plan_ranks(config, live=live,
+                                                                       shared=bool(others) or config.background))
+            self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
+            self.world_size = config.num_processes
+            self.pg_timeout = self.plan.pg_timeout
             self.nodes = self._nodes()
         except BaseException:
-            self._counted = False
-            inflight.leave()
+            inflight.leave(self)
             raise
 
     def _nodes(self):
@@ -72,9 +70,7 @@ class LocalEngine(Engine):
         try:
             self.nodes.close()
         finally:
-            if self._counted:
-                self._counted = False
-                inflight.leave()
+            inflight.leave(self)
 
 
 def _in_kernel() -> bool:
