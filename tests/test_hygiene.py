@@ -332,52 +332,24 @@ def test_a_second_launch_at_the_same_time_is_refused_at_once():
     assert notebook_launcher(wait_a_little_less, num_processes=1, display="none") == ["done"]  # free again
 
 
-class _InterruptAtLine:
-    """Within the block, KeyboardInterrupt is raised at the ``n``-th line of
-    nblaunch's own code run in this thread, as the stop button may;
-    ``fired`` says whether there were that many."""
-
-    def __init__(self, n: int):
-        self.n, self.seen, self.fired = n, 0, False
-
-    def _trace(self, frame, event, arg):
-        if self.fired or not frame.f_code.co_filename.startswith(_NBLAUNCH_DIR):
-            return None
-        if event == "line":
-            self.seen += 1
-            if self.seen == self.n:
-                self.fired = True
-                raise KeyboardInterrupt
-        return self._trace
-
-    def __enter__(self):
-        sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-
-
-_NBLAUNCH_DIR = os.path.dirname(notebook_launcher.__code__.co_filename)
-
-
 def test_the_stop_button_at_any_line_of_taking_the_launch_slot_leaves_it_free():
     """A press just after a lock was taken, before the with block held it,
     kept the kernel's one launch slot for good: every later launch was
     refused as "another launch is running" (found by pressing at each line
-    of a launch in turn)."""
+    of a launch in turn: tests/press_scan.py)."""
     from nblaunch.session import one_at_a_time
+    from press_scan import PressAtLine
 
     n = 0
     while True:
         n += 1
-        with _InterruptAtLine(n) as press:
+        with PressAtLine(n) as press:
             try:
                 with one_at_a_time():
                     pass
             except KeyboardInterrupt:
                 pass
-        if not press.fired:
+        if not press.pressed:
             break
         with one_at_a_time():  # free again (LaunchError if not)
             pass
