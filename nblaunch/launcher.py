@@ -112,4 +112,9 @@ def notebook_launcher(
             "another launch is running in this kernel (started from another thread); nblaunch runs "
             "one launch per kernel at a time, since forking ranks while another launch's threads run "
             "can deadlock them. Wait for it to return, or put both jobs in one fn."):
-        return Session(config, live=False).launch(fn, args, kwargs)
+        made: list = []  # the session, from its first line: released however the launch ends
+        try:
+            return Session(config, live=False, kept_in=made).launch(fn, args, kwargs)
+        finally:
+            for session in made:
+                session.release()

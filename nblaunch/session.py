@@ -33,7 +33,7 @@ from .rank import namespace, worker
 from .wire.channel import CLOSE, Call
 from .config import LaunchConfig, check_call, check_call_options
 from .view import SHOW_AFTER_S, TextDisplay, make_display
-from .engines import Engine, engine_for
+from .engines import Engine, engine_for, inflight
 from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
 from .preempt import Catcher
 from .restarts import History, may_restart
@@ -51,13 +51,9 @@ CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 # One launch or call at a time per process. Two at once (cells run from
 # threads) hung 1 time in 10 to 90: a rank forked while the other launch's
 # store thread held glibc's resolver lock deadlocks in getnameinfo (seen
-# with gdb), and every fork of every launch would have to wait for every
-# other's threads to be quiet. A second one is refused at once instead.
-# Held by the launch or call running now. It is taken by the ``with``
-# statement itself, whose release Python always runs: a press of the stop
-# button just after an ``acquire()`` written out (before the with block)
-# kept it for good, and every later launch of the kernel was refused (found
-# by pressing at each line of a launch in turn).
+# with gdb). A second one is refused at once instead. The ``with`` statement
+# takes it: a stop-button press just after an ``acquire()`` written out kept
+# it for good, and every later launch was refused (tests/press_scan.py).
 _one_at_a_time_lock = threading.Lock()
 
 _active: Optional[weakref.ref] = None
@@ -94,9 +90,10 @@ class Session:
     closed, and a generation that can no longer be trusted is replaced
     before the next call. Each call is one :class:`~nblaunch.watch.CallWatch`."""
 
-    def __init__(self, config: LaunchConfig, live: bool):
-        self.config = config
-        self.live = live
+    def __init__(self, config: LaunchConfig, live: bool, kept_in: Optional[list] = None):
+        if kept_in is not None:
+            kept_in.append(self)  # first: its maker releases it (``release``) whatever comes next
+        self.config, self.live = config, live
         self.pool: Optional[RankPool] = None
         self.restarts = 0
         self.runs = 0  # run calls made on live ranks (pull and push are not counted)
@@ -107,10 +104,17 @@ class Session:
         # A launch's view of each generation, ``make_view(display, show_after=...)``:
         # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
         self.make_view = make_display
-        # Made last: from here on, whoever made the session closes it (an
-        # engine holds its place among the launches in flight, and a store).
-        self.engine: Engine = engine_for(config, live=live)
+        self.engine: Engine = engine_for(config, live=live, owner=self)
         self.world_size = self.engine.world_size
+
+    def release(self) -> None:
+        """Close the engine, if made, and leave the launches in flight, safe twice (a press
+        before the engine was handed back left it in flight: every later launch forkserver's)."""
+        try:
+            if getattr(self, "engine", None) is not None:  # not made, if its making was interrupted
+                self.engine.close()
+        finally:
+            inflight.leave(self)
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -123,14 +127,13 @@ class Session:
         lists every attempt's cause. A preemption (:mod:`nblaunch.preempt`)
         is never restarted: the job is ending."""
         global_method = ""  # not read yet
-        try:  # first: the stop button pressed anywhere from here leaves the engine closed
+        try:
             global_method = multiprocessing.get_start_method(allow_none=True)
             return self._attempts(fn, args, kwargs)
         finally:
-            self.engine.close()
+            self.release()
             if global_method is None:
-                # Starting spawn/forkserver processes makes multiprocessing fix
-                # its global default as a side effect; the kernel had none.
+                # Spawn and forkserver starts fix multiprocessing's default; the kernel had none.
                 multiprocessing.set_start_method(None, force=True)
 
     def _attempts(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
@@ -154,10 +157,10 @@ class Session:
     def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
         c, engine = self.config, self.engine
-        pool = engine.new_pool(job, attempt)
-        view, outcome, watch = None, "failed", None
-        self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
+        pool, view, outcome, watch = None, None, "failed", None
         try:  # from here on, an interrupt anywhere leaves nothing open
+            pool = engine.new_pool(job, attempt)
+            self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
             view = self.make_view(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
             for text in notices + ([pool.notice] if pool.notice else []):
@@ -181,7 +184,8 @@ class Session:
         finally:
             self._steps = watch.steps if watch is not None else {}
             try:
-                pool.close()
+                if pool is not None:
+                    pool.close()
             finally:
                 if view is not None:
                     view.close(outcome)
@@ -280,7 +284,7 @@ class Session:
         try:
             self.close()
         finally:
-            self.engine.close()
+            self.release()
 
 
 def _shut(pool: RankPool) -> None:

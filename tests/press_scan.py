@@ -41,10 +41,12 @@ class PressAtLine:
 
     def __init__(self, n: int):
         self.n, self.seen, self.pressed, self.pending = n, 0, False, False
+        self.where = ""  # file:line (function) where it was pressed
         self._last: dict = {}  # frame -> the offset of the instruction it ran last
 
-    def _press(self) -> None:
+    def _press(self, frame) -> None:
         self.pending, self.pressed = False, True
+        self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
         signal.raise_signal(signal.SIGINT)  # its handler runs now, in this trace function
 
     def _trace(self, frame, event, arg):
@@ -52,12 +54,12 @@ class PressAtLine:
             return None
         if self.pending:
             if event in ("call", "return"):  # a function's start; a call's return, in its caller
-                self._press()
+                self._press(frame)
             elif event == "opcode":
                 last = self._last.get(frame)
                 self._last[frame] = frame.f_lasti
                 if last is not None and _checks_after(frame.f_code, last):
-                    self._press()
+                    self._press(frame)
             return self._trace
         if event == "line":
             self.seen += 1
@@ -73,6 +75,7 @@ class PressAtLine:
 
     def __exit__(self, *exc):
         sys.settrace(None)
+        self._last.clear()  # its frames, and what their locals hold
 
 
 _CHECKS: dict = {}

@@ -356,6 +356,49 @@ def test_the_stop_button_at_any_line_of_taking_the_launch_slot_leaves_it_free():
     assert n > 2  # each line of taking the slot was pressed at
 
 
+class _PoolWouldBeMade(Exception):
+    pass
+
+
+def test_the_stop_button_anywhere_before_the_ranks_pipes_leaves_no_launch_in_flight(monkeypatch, tmp_path):
+    """Pressed at each line of a launch up to its first generation's making
+    (stopped there: no pipe, no process): each press leaves no launch counted
+    in flight (a press as the session handed its engine back left one, and
+    every later launch of the kernel started from the forkserver), the slot
+    free, and no file open."""
+    from nblaunch import logs
+    from nblaunch.engines import inflight
+    from nblaunch.engines.local import LocalEngine
+    from nblaunch.session import _one_at_a_time_lock
+    from press_scan import PressAtLine
+
+    reached: list = []  # per launch: the generation's making came before the press
+
+    def new_pool(self, job, attempt):
+        reached.append(not press.pressed)
+        raise _PoolWouldBeMade
+
+    monkeypatch.setattr(LocalEngine, "new_pool", new_pool)
+    monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
+    monkeypatch.setattr(logs, "_prune", lambda root: None)  # as many lines each time, whatever is on disk
+    with pytest.raises(_PoolWouldBeMade):  # warm: what the process keeps open from its first launch
+        with PressAtLine(10**9) as press:
+            notebook_launcher(wait_a_little, num_processes=2, display="none")
+    reached.clear()
+    before = set(os.listdir("/proc/self/fd"))
+    n = 0
+    while not any(reached):
+        n += 1
+        with PressAtLine(n) as press:
+            try:
+                notebook_launcher(wait_a_little, num_processes=2, display="none")
+            except (KeyboardInterrupt, _PoolWouldBeMade):
+                pass
+        assert (inflight.count(), _one_at_a_time_lock.locked()) == (0, False), (n, press.where)
+        assert set(os.listdir("/proc/self/fd")) <= before, (n, press.where)
+    assert n > 100  # the press came at every line before the generation's making
+
+
 @pytest.mark.parametrize("setting,env,error", [
     ({"master_addr": "256.1.1.1"}, {}, "master_addr '256.1.1.1' is not an address"),
     ({}, {"NBLAUNCH_MAX_RESULT_BYTES": "2GB"}, "NBLAUNCH_MAX_RESULT_BYTES must be a whole number"),

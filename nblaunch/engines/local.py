@@ -22,19 +22,24 @@ _forked_before = False  # this process has started a forked generation
 
 
 class LocalEngine(Engine):
-    """``config.num_processes`` ranks on this machine; the kernel hosts their store."""
+    """``config.num_processes`` ranks on this machine; the kernel hosts their
+    store. ``owner`` is what counts it among the launches in flight until
+    ``close`` (the engine itself if None): the session that makes it, whose
+    maker can then take it out even if an interrupt came before the engine
+    was handed back."""
 
-    def __init__(self, config, live: bool):
+    def __init__(self, config, live: bool, owner=None):
         self.config = config
-        try:  # in inflight's count until close()
-            self.plan = inflight.enter(self, lambda others: plan_ranks(config, live=live,
-                                                                       shared=bool(others) or config.background))
+        self._owner = self if owner is None else owner
+        try:
+            self.plan = inflight.enter(self._owner, lambda others: plan_ranks(
+                config, live=live, shared=bool(others) or config.background))
             self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
             self.world_size = config.num_processes
             self.pg_timeout = self.plan.pg_timeout
             self.nodes = self._nodes()
         except BaseException:
-            inflight.leave(self)
+            inflight.leave(self._owner)
             raise
 
     def _nodes(self):
@@ -70,7 +75,7 @@ class LocalEngine(Engine):
         try:
             self.nodes.close()
         finally:
-            inflight.leave(self)
+            inflight.leave(self._owner)
 
 
 def _in_kernel() -> bool:

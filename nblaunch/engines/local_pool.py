@@ -62,7 +62,6 @@ class LocalPool(RankPool):
     def __init__(self, plan, nodes: Nodes, job: Any = None, attempt: int = 0, zygote: bool = True):
         self._nodes = nodes
         self._attempt = attempt
-        self.log_dir, self.notice = new_launch_dir()
         base = plan.specs_base
         self.size = base["local_world_size"]
         self._no_more_starts = threading.Event()
@@ -78,7 +77,8 @@ class LocalPool(RankPool):
         self._method = plan.method
         self._pipes: Optional[PoolPipes] = None  # every rank's pipes, once all are started
         forks_by_zygote = zygote and zygote_usable(plan.method)
-        try:
+        try:  # an interrupt anywhere in here leaves no pipe open and no folder held
+            self.log_dir, self.notice = new_launch_dir()
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
             if forks_by_zygote:
@@ -88,9 +88,10 @@ class LocalPool(RankPool):
                                                  zip(self._procs, self._rank_ends)], kernel_ends)
                 for p, forked in zip(self._procs, self._zygote.ranks):
                     p.proc = forked
-        except BaseException:  # an interrupt while the pipes are made: none is left open
+        except BaseException:
             self._close_pipes()
-            release_launch_dir(self.log_dir)
+            if hasattr(self, "log_dir"):
+                release_launch_dir(self.log_dir)
             raise
 
     def _make_rank(self, plan, local: int, job: Any, attempt: int, own_process: bool) -> None:
@@ -103,8 +104,9 @@ class LocalPool(RankPool):
                           **base)
         ends: list = []
         try:
-            for _ in range(3):
-                ends += ctx.Pipe(duplex=False)
+            with InterruptsDeferred():  # Pipe() makes both fds, then their Connections: a press between leaked them
+                for _ in range(3):
+                    ends += ctx.Pipe(duplex=False)
         finally:
             # Every end made is closed by close(), whatever happens next: an
             # interrupt before this rank is recorded leaked its 3 kernel ends.
