@@ -10,11 +10,11 @@ the ranks in ``fn``. Each launch must raise ``KeyboardInterrupt`` within
 the next launch must work. Prints one JSON line per launch that did not,
 then ``{"scanned": count}``.
 
-It found the launch slot kept for good, and the engine left counted in
-flight from 20 places (both fixed). One place is left: a press as the
-session's ``__init__`` returns, before ``launch`` begins (two of Python's
-checks for signals), still leaves the engine counted, and every later
-launch of the kernel then starts from the forkserver."""
+It found the launch slot kept for good, the engine left counted in flight,
+launch folders never pruned and a rank's pipe fds left open (all fixed;
+tests/test_hygiene.py presses at every line up to the generation's making).
+Still open: a press while the zygote's status pipes are made
+(``engines/zygote.py``, ``os.pipe()`` per rank) leaves them open."""
 from __future__ import annotations
 
 import dis
