@@ -96,6 +96,9 @@ def _running(p: psutil.Process) -> bool:
 
 def main(launches: int) -> None:
     assert os.getpgrp() == os.getpid(), "run me as a process group leader (start_new_session)"
+    # Python's handler, as a kernel has it: a process started in the
+    # background by a script inherits SIGINT ignored, and Python keeps that.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     notebook_launcher(lambda: 1, num_processes=2, display="none")  # warm, not interrupted
     zygote.Zygote.start = interrupt_at_fork(zygote.Zygote.start)
     zygote.Zygote.reap = note_exit(zygote.Zygote.reap)

@@ -70,11 +70,15 @@ class PressAtLine:
         return self._trace
 
     def __enter__(self):
+        # Python's handler, as a kernel has it: a process started in the
+        # background by a script inherits SIGINT ignored (the press would be lost).
+        self._handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.settrace(self._trace)
         return self
 
     def __exit__(self, *exc):
         sys.settrace(None)
+        signal.signal(signal.SIGINT, self._handler)
         self._last.clear()  # its frames, and what their locals hold
 
 
