@@ -19,8 +19,7 @@ import signal
 import sys
 import time
 
-import psutil
-
+from conftest import launch_processes, wait_gone
 from nblaunch import notebook_launcher
 from nblaunch.engines import zygote
 
@@ -70,30 +69,6 @@ def interrupt_at_fork(start):
     return start_then_interrupt
 
 
-def still_running(procs: list) -> list:
-    deadline = time.monotonic() + 1.0
-    while True:
-        alive = [p for p in procs if _running(p)]
-        if not alive or time.monotonic() > deadline:
-            return [p.pid for p in alive]
-        time.sleep(0.01)
-
-
-def _multiprocessings_own(p: psutil.Process) -> bool:
-    """Its resource tracker lives as long as this process, by design."""
-    try:
-        return "resource_tracker" in " ".join(p.cmdline())
-    except psutil.Error:
-        return False
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def main(launches: int) -> None:
     assert os.getpgrp() == os.getpid(), "run me as a process group leader (start_new_session)"
     # Python's handler, as a kernel has it: a process started in the
@@ -102,7 +77,6 @@ def main(launches: int) -> None:
     notebook_launcher(lambda: 1, num_processes=2, display="none")  # warm, not interrupted
     zygote.Zygote.start = interrupt_at_fork(zygote.Zygote.start)
     zygote.Zygote.reap = note_exit(zygote.Zygote.reap)
-    me = psutil.Process()
     for _ in range(launches):
         t0 = time.monotonic()
         try:
@@ -111,8 +85,7 @@ def main(launches: int) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported
             raised = type(exc).__name__
         took = time.monotonic() - t0
-        launched = [p for p in me.children(recursive=True) if not _multiprocessings_own(p)]
-        left = still_running(launched)
+        left = wait_gone(launch_processes(os.getpid()), timeout=1.0)
         deadline = time.monotonic() + 5.0
         while len(EXITS) < len(HITS) and time.monotonic() < deadline:  # reaped by nblaunch's own thread
             time.sleep(0.01)

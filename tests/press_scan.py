@@ -24,8 +24,7 @@ import signal
 import sys
 import time
 
-import psutil
-
+from conftest import launch_processes, wait_gone
 from nblaunch import notebook_launcher
 
 
@@ -90,40 +89,11 @@ def _checks_after(code, offset: int) -> bool:
     a call, or a jump back."""
     if code not in _CHECKS:
         _CHECKS[code] = {op.offset for op in dis.get_instructions(code)
-                         if op.opname in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")
-                         and op.opname != "JUMP_BACKWARD_NO_INTERRUPT"}
+                         if op.opname in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD")}
     return offset in _CHECKS[code]
 
 
-def launch_processes(me: psutil.Process) -> list:
-    out = []
-    for p in me.children(recursive=True):
-        try:
-            if not any(name in " ".join(p.cmdline()) for name in ("resource_tracker", "forkserver")):  # live as long as this process, by design
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def still_running(procs: list, limit: float) -> list[int]:
-    deadline = time.monotonic() + limit
-    while True:
-        alive = [p.pid for p in procs if _running(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.01)
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def main(first: int, last: int, every: int) -> None:
-    me = psutil.Process()
     notebook_launcher(lambda: 1, num_processes=2, display="none")  # warm: first-use imports and files
     open_files = len(os.listdir("/proc/self/fd"))
     scanned = 0
@@ -136,7 +106,7 @@ def main(first: int, last: int, every: int) -> None:
             except BaseException as exc:  # noqa: BLE001 - reported
                 raised = type(exc).__name__
         took = time.monotonic() - t0
-        left = still_running(launch_processes(me), 1.0)
+        left = wait_gone(launch_processes(os.getpid()), timeout=1.0)
         files = len(os.listdir("/proc/self/fd"))
         try:
             after = notebook_launcher(lambda: 1, num_processes=2, display="none", init_process_group=False)
