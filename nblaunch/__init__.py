@@ -11,7 +11,7 @@ def _started_as_agent() -> bool:
 # Where each public name lives (what an agent imports on first use).
 _LAZY = {"sharded_loader": ".data", "notebook_launcher": ".launcher", "debug": ".postmortem",
          "preempted": ".preempt", "progress": ".progress", "log": ".progress", "LaunchResults": ".session",
-         "Ranks": ".session", "start": ".session", "runs": ".background", "submit": ".background",
+         "Ranks": ".live", "start": ".live", "runs": ".background", "submit": ".background",
          "Run": ".runs", "RunStopped": ".runs", "attach": ".detached", "Ray": ".engines.ray",
          "Slurm": ".engines.slurm", **dict.fromkeys(
              ("LaunchError", "LaunchTimeout", "Preempted", "RankFailure", "WorkerError"), ".errors")}
@@ -44,7 +44,8 @@ else:
     from .postmortem import debug
     from .preempt import preempted
     from .progress import log, progress
-    from .session import LaunchResults, Ranks, start
+    from .live import Ranks, start
+    from .session import LaunchResults
     from .background import runs, submit
     from .runs import Run, RunStopped
     from .detached import attach

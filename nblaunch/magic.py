@@ -13,7 +13,7 @@ mentions, by value with cloudpickle. Errors are exactly those of
 ``notebook_launcher``.
 
 With live ranks (``%nblaunch start -n 4``, ``%nblaunch stop``; see
-:mod:`nblaunch.session`) each ``%%nblaunch`` cell runs on them instead, and
+:mod:`nblaunch.live`) each ``%%nblaunch`` cell runs on them instead, and
 the names a cell binds stay in each rank for the next cells, as ipyparallel's
 ``%%px`` does. ``%nblaunch status`` says what is up.
 
@@ -32,7 +32,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .rank import namespace
-from . import session
+from . import live as live_ranks
 from .errors import LaunchError
 from .rank.frames import register_cell
 from .launcher import notebook_launcher
@@ -107,7 +107,7 @@ class NBLaunchMagics(Magics):
         # and the kernel can show their source.
         register_cell(filename, f"Cell In[{self._cell_number()}]", 1)
         linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
-        live = session.active()
+        live = live_ranks.active()
         if live is not None and opts.num_processes in (None, live.num_processes):
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
             return live.run(run_cell, cell, filename, names, timeout=opts.timeout,
@@ -137,18 +137,18 @@ class NBLaunchMagics(Magics):
 
     def _line(self, opts):
         if opts.action == "start":
-            type(self).ranks = session.start(opts.num_processes or 2, start_method=opts.start_method,
+            type(self).ranks = live_ranks.start(opts.num_processes or 2, start_method=opts.start_method,
                                              backend=opts.backend, display=opts.display, cluster=opts.cluster,
                                              num_nodes=opts.nodes)
             print(f"nblaunch: {type(self).ranks.status}")
         elif opts.action == "stop":
-            live = session.active()
+            live = live_ranks.active()
             if live is not None:
                 live.close()
             type(self).ranks = None
             print("nblaunch: live ranks closed" if live is not None else "nblaunch: no live ranks were up")
         elif opts.action == "status":
-            live = session.active()
+            live = live_ranks.active()
             print(f"nblaunch: {live.status}" if live is not None else "nblaunch: no live ranks are up")
         else:
             raise LaunchError(f"%nblaunch takes start, stop or status, got {opts.action!r}; "

@@ -1,16 +1,10 @@
-"""Sessions: a launch's ranks, and live ranks that stay up across cells.
-
-    ranks = nblaunch.start(num_processes=4)   # ranks up, process group made
-    ranks.run(setup)                          # `global model` in setup ...
-    ranks.run(train, 3)                       # ... is `model` here
-    ranks.pull("model", rank=0)
-    ranks.close()
+"""Sessions: the ranks of a launch, or of live ranks that stay up across cells.
 
 A :class:`Session` owns the config, the engine and each generation of ranks (a
 :class:`~nblaunch.engines.pool.RankPool`); every call on it is one
 :class:`~nblaunch.watch.CallWatch`. ``notebook_launcher`` is a session whose
-ranks serve one call; :class:`Ranks` is a session whose ranks serve calls
-until closed.
+ranks serve one call; live ranks (:mod:`nblaunch.live`) are a session whose
+ranks serve calls until closed.
 
 A call that fails on some live ranks interrupts the others
 (``KeyboardInterrupt`` in their Python code) and keeps every rank. The ranks
@@ -26,44 +20,31 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import warnings
-import weakref
 from typing import Any, Callable, Optional
 
-from .rank import namespace, worker
 from .wire.channel import CLOSE, Call
-from .config import LaunchConfig, check_call, check_call_options
+from .config import LaunchConfig
 from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for, inflight
 from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
 from .preempt import Catcher
 from .restarts import History, may_restart
-from .wire.payload import check_sendable
 from .engines.pool import RankPool
+from .engines.procs import InterruptsDeferred
 from .launch_watch import LaunchWatch
 from .live_watch import LiveCallWatch
 from .postmortem import with_rank_frames
-from .watch import STOP_GRACE_S, CallWatch, ranks_label
+from .watch import STOP_GRACE_S, CallWatch
 
-__all__ = ["start", "Ranks", "active", "Session", "LaunchResults"]
+__all__ = ["Session", "LaunchResults", "one_at_a_time"]
 
 CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 
-# One launch or call at a time per process. Two at once (cells run from
-# threads) hung 1 time in 10 to 90: a rank forked while the other launch's
-# store thread held glibc's resolver lock deadlocks in getnameinfo (seen
-# with gdb). A second one is refused at once instead. The ``with`` statement
-# takes it: a stop-button press just after an ``acquire()`` written out kept
-# it for good, and every later launch was refused (tests/press_scan.py).
+# One launch or call at a time per process. Two at once (cells run from threads)
+# hung 1 time in 10 to 90: a rank forked while the other launch's store thread held
+# glibc's resolver lock deadlocks in getnameinfo (gdb). A second one is refused at
+# once. Taken by ``with``: a press just after an ``acquire()`` kept it for good.
 _one_at_a_time_lock = threading.Lock()
-
-_active: Optional[weakref.ref] = None
-
-
-def active() -> Optional["Ranks"]:
-    """This kernel's open live session, if any."""
-    ranks = _active() if _active is not None else None
-    return ranks if ranks is not None and ranks.is_up else None
-
 
 class LaunchResults(list):
     """What ``notebook_launcher`` (and a call on live ranks) returns: this
@@ -108,10 +89,10 @@ class Session:
         self.world_size = self.engine.world_size
 
     def release(self) -> None:
-        """Close the engine, if made, and leave the launches in flight, safe twice (a press
-        before the engine was handed back left it in flight: every later launch forkserver's)."""
+        """Close the engine, if made (not if its making was interrupted), and leave the launches in
+        flight, safe twice (a press before the engine was handed back left it in flight for good)."""
         try:
-            if getattr(self, "engine", None) is not None:  # not made, if its making was interrupted
+            if getattr(self, "engine", None) is not None:
                 self.engine.close()
         finally:
             inflight.leave(self)
@@ -132,8 +113,7 @@ class Session:
             return self._attempts(fn, args, kwargs)
         finally:
             self.release()
-            if global_method is None:
-                # Spawn and forkserver starts fix multiprocessing's default; the kernel had none.
+            if global_method is None:  # spawn and forkserver starts fix multiprocessing's default
                 multiprocessing.set_start_method(None, force=True)
 
     def _attempts(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
@@ -159,7 +139,8 @@ class Session:
         c, engine = self.config, self.engine
         pool, view, outcome, watch = None, None, "failed", None
         try:  # from here on, an interrupt anywhere leaves nothing open
-            pool = engine.new_pool(job, attempt)
+            with InterruptsDeferred():  # made, then kept: a press as it returned lost it
+                pool = engine.new_pool(job, attempt)
             self.world_size = engine.world_size  # a generation on fewer nodes has fewer ranks
             view = self.make_view(c.display, show_after=SHOW_AFTER_S)
             view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
@@ -195,22 +176,23 @@ class Session:
     def open(self) -> None:
         """Start a generation of live ranks and wait until each has made its
         process group (its call 0). Raises ``WorkerError`` if one cannot."""
-        engine = self.engine
+        engine, pool, view = self.engine, None, TextDisplay(show_status=False)  # set-up prints (warnings) only
         self.world_size = engine.world_size  # fewer after a lost node (min_nodes)
-        pool = engine.new_pool(None, self.restarts)
-        view = TextDisplay(show_status=False)  # set-up prints (warnings) only
-        view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
-        for text in filter(None, [engine.notice, pool.notice]):
-            view.notice(text)
-        watch = LiveCallWatch(pool, view, 0)
-        try:
-            watch.run(lambda: engine.place(pool, view))
+        try:  # from the pool's making on, an interrupt anywhere shuts it
+            with InterruptsDeferred():  # made, then kept: a press as it returned lost it
+                pool = engine.new_pool(None, self.restarts)
+            view.begin(self.world_size, engine.method, engine.backend or "", str(pool.log_dir))
+            for text in filter(None, [engine.notice, pool.notice]):
+                view.notice(text)
+            LiveCallWatch(pool, view, 0).run(lambda: engine.place(pool, view))
+            self.pool = pool
         except BaseException:
-            _shut(pool)
+            self.pool = None
+            if pool is not None:
+                _shut(pool)
             raise
         finally:
             view.flush()
-        self.pool = pool
 
     def call(self, job: bytes, timeout: Optional[float], display: str, counted: bool) -> "tuple[list, CallWatch]":
         """One call on the live ranks; ``counted``: a ``run`` (the view's
@@ -274,8 +256,8 @@ class Session:
         self.open()
 
     def close(self) -> None:
-        """End the live ranks (safe twice, and from a finalizer)."""
-        pool, self.pool = self.pool, None
+        """End the live ranks (safe twice, from a finalizer, and before its making was done)."""
+        pool, self.pool = getattr(self, "pool", None), None
         if pool is not None:
             _shut(pool)
 
@@ -294,137 +276,6 @@ def _shut(pool: RankPool) -> None:
     pool.wait(CLOSE_WAIT_S)
     pool.stop(STOP_GRACE_S)
     pool.close()
-
-
-class _Generation:
-    """The session, for the finalizer (which must not hold the ``Ranks``)."""
-
-    def __init__(self, session: Session):
-        self.session = session
-
-    def close(self) -> None:
-        self.session.end()
-
-
-class Ranks:
-    """Ranks that stay up between cells; made by :func:`start`.
-
-    ``run(fn, *args, **kwargs)`` runs ``fn`` on every rank, in each rank's own
-    namespace, with a launch's live view, and returns the per-rank results
-    (or raises :class:`~nblaunch.WorkerError`, ``LaunchTimeout``,
-    ``KeyboardInterrupt``). ``pull``/``push`` move named objects out of and
-    into the ranks. ``close()`` ends them (so does the kernel's end, and this
-    object being garbage collected). ``status`` says what is up.
-    """
-
-    def __init__(self, config: LaunchConfig):
-        self._session = Session(config, live=True)
-        self._finalizer = weakref.finalize(self, _Generation(self._session).close)
-        self._closed = False
-        self._session.open()
-
-    # -- public -------------------------------------------------------------------
-
-    def run(self, fn: Callable, *args, timeout: Optional[float] = None, display: Optional[str] = None,
-            **kwargs):
-        """``fn(*args, **kwargs)`` on every rank; returns ``[result of rank 0, ...]``.
-
-        ``fn`` sees the rank's namespace: names it binds with ``global`` stay
-        for later calls; names it uses from the notebook come with it, unless
-        the rank bound that name itself (the rank's value wins). ``timeout``
-        and ``display`` are this call's (see ``notebook_launcher``); to pass
-        an argument of those names to ``fn``, use ``functools.partial``."""
-        args, kwargs = check_call(fn, args, kwargs)
-        check_call_options(timeout, display or "auto")
-        return self._call(_pack(fn, tuple(args), kwargs), timeout, display or self._session.config.display, True)
-
-    def pull(self, name: str, rank: Optional[int] = None):
-        """The object bound to ``name`` in rank ``rank`` (None: a list, one per
-        rank). Tensors come through shared memory; a module or optimizer is
-        pulled as a copy (its ``state_dict()`` is usually what you want)."""
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"name must be an identifier, got {name!r}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or not 0 <= rank < self.num_processes):
-            raise ValueError(f"rank must be None or an int in [0, {self.num_processes}), got {rank!r}")
-        results = self._call(_pack(_pull_on, (name, rank), {}), None, "none", False)
-        return list(results) if rank is None else results[rank]
-
-    def push(self, **values) -> None:
-        """Bind ``values`` by name in every rank (a copy each), replacing what a rank had."""
-        self._call(_pack(namespace.push, (values,), {}), None, "none", False)
-
-    def restart(self) -> None:
-        """End the ranks and start new ones (their state is lost)."""
-        self._check_usable()
-        with one_at_a_time():
-            self._session.restart()
-
-    def close(self) -> None:
-        """End the ranks. Closing twice is fine."""
-        self._closed = True
-        self._session.end()
-
-    @property
-    def restarts(self) -> int:
-        """How many times the ranks were replaced (settable: a count of your own)."""
-        return self._session.restarts
-
-    @restarts.setter
-    def restarts(self, value: int) -> None:
-        self._session.restarts = value
-
-    @property
-    def num_processes(self) -> int:
-        """The ranks up (fewer than at first once a lost node was left out: ``min_nodes``)."""
-        return self._session.world_size
-
-    @property
-    def is_up(self) -> bool:
-        return not self._closed and self._session.pool is not None
-
-    @property
-    def pids(self) -> list[int]:
-        pool = self._session.pool
-        return list(pool.pids) if pool is not None else []
-
-    @property
-    def status(self) -> str:
-        """``up``, ``closed``, or what is wrong; with the ranks, calls and restarts."""
-        session = self._session
-        pool = session.pool
-        if self._closed or pool is None:
-            return "closed"
-        dead = [pool.global_rank(r) for r in range(pool.size) if not pool.alive(r)]
-        engine = session.engine
-        what = f"{self.num_processes} ranks ({engine.method}, {engine.backend or 'no process group'})"
-        if dead:
-            return (f"down: {ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
-                    f"(their state is lost) | {what}")
-        restarts = f", restarted {session.restarts}x" if session.restarts else ""
-        return f"up: {what}, {session.runs} calls{restarts} | output: {pool.log_dir}"
-
-    def __repr__(self) -> str:
-        return f"<nblaunch.Ranks {self.status}>"
-
-    def __enter__(self) -> "Ranks":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # -- inside ---------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise LaunchError("these live ranks were closed; start new ones with nblaunch.start()")
-        if worker.current_spec() is not None:
-            raise LaunchError("live ranks cannot be used from inside a rank; call from the notebook")
-
-    def _call(self, job: bytes, timeout: Optional[float], display: str, counted: bool):
-        self._check_usable()
-        with one_at_a_time():
-            return self._session.call(job, timeout, display, counted)
 
 
 def _with_note(exc: BaseException, note: str) -> BaseException:
@@ -447,54 +298,3 @@ def one_at_a_time(what: str = "a launch or a call on live ranks is already runni
     if _one_at_a_time_lock.locked():
         raise LaunchError(what)
     return _one_at_a_time_lock
-
-
-def _pack(fn, args: tuple, kwargs: dict) -> bytes:
-    try:
-        return namespace.pack_call(fn, args, kwargs)
-    except Exception:
-        check_sendable(fn, args, kwargs)  # names the part that cannot be sent
-        raise
-
-
-def _pull_on(name: str, rank: Optional[int]):
-    """In each rank: the named object from the one asked (None from the others)."""
-    if rank is not None and worker.current_spec().rank != rank:
-        return None
-    return namespace.pull(name)
-
-
-def start(num_processes: int, *, start_method: str = "auto", backend: str = "auto",
-          init_process_group: bool = True, master_addr: Optional[str] = None,
-          threads_per_rank: Optional[int] = None, display: str = "auto",
-          stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
-          min_nodes: Optional[int] = None) -> Ranks:
-    """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
-
-    The ranks get what a ``notebook_launcher`` rank gets (torchrun's
-    environment, a process group, the rank's device) once, then wait for
-    ``run`` calls. One session per kernel at a time; ``notebook_launcher``
-    still works while one is up (not at the same moment as a call). Use it as
-    a context manager, or ``close()`` it; it also ends with the kernel.
-    ``cluster="slurm"`` (and ``num_nodes``): ranks on the nodes of a SLURM
-    allocation, as ``notebook_launcher`` has them; ``min_nodes``: when a
-    node is lost, the ranks are restarted on the nodes still up if at least
-    this many (the next run says so).
-    """
-    global _active
-    config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
-                          init_process_group=init_process_group, master_addr=master_addr,
-                          threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
-                          cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes)
-    if worker.current_spec() is not None:
-        raise LaunchError("nblaunch.start was called inside a rank; start live ranks from the notebook")
-    up = active()
-    status = up.status if up is not None else None
-    del up  # a traceback kept by IPython must not keep the session alive
-    if status is not None:
-        raise LaunchError(f"live ranks are already up in this kernel ({status}); "
-                          "close them first (ranks.close() or %nblaunch stop)")
-    with one_at_a_time():
-        ranks = Ranks(config)
-    _active = weakref.ref(ranks)
-    return ranks

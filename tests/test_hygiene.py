@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import matrix
+import nblaunch
 from nblaunch import LaunchError, LaunchTimeout, WorkerError, notebook_launcher
 
 
@@ -356,34 +357,39 @@ def test_the_stop_button_at_any_line_of_taking_the_launch_slot_leaves_it_free():
     assert interrupted == n - 1 > 1  # each line of taking the slot was pressed at, and each press landed
 
 
-class _PoolWouldBeMade(Exception):
+class _RanksWouldStart(Exception):
     pass
 
 
-def test_the_stop_button_anywhere_before_the_ranks_pipes_leaves_no_launch_in_flight(monkeypatch, tmp_path):
-    """Pressed at each line of a launch up to its first generation's making
-    (stopped there: no pipe, no process): each press leaves no launch counted
-    in flight (a press as the session handed its engine back left one, and
-    every later launch of the kernel started from the forkserver), the slot
-    free, and no file open."""
+@pytest.mark.parametrize("make", ["launch", "live"])
+def test_the_stop_button_anywhere_before_the_ranks_start_leaves_no_launch_in_flight(make, monkeypatch, tmp_path):
+    """Pressed at each line of a launch up to the start of its ranks (stopped
+    there: no process made): each press leaves no launch counted in flight (a
+    press as the session handed its engine back left one, and every later
+    launch of the kernel started from the forkserver), the slot free, and no
+    file open (a press while the zygote's pipes were made leaked them)."""
     from nblaunch import logs
     from nblaunch.engines import inflight
-    from nblaunch.engines.local import LocalEngine
+    from nblaunch.engines.local_pool import LocalPool
     from nblaunch.session import _one_at_a_time_lock
     from press_scan import PressAtLine
 
-    reached: list = []  # per launch: the generation's making came before the press
+    reached: list = []  # per launch: the ranks' start came before the press
 
-    def new_pool(self, job, attempt):
+    def start(self, tick=None):
         reached.append(not press.pressed)
-        raise _PoolWouldBeMade
+        raise _RanksWouldStart
 
-    monkeypatch.setattr(LocalEngine, "new_pool", new_pool)
+    monkeypatch.setattr(LocalPool, "start", start)
+    if make == "launch":
+        launch = lambda: notebook_launcher(wait_a_little, num_processes=2, display="none")  # noqa: E731
+    else:
+        launch = lambda: nblaunch.start(num_processes=2, display="none")  # noqa: E731
     monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
     monkeypatch.setattr(logs, "_prune", lambda root: None)  # as many lines each time, whatever is on disk
-    with pytest.raises(_PoolWouldBeMade):  # warm: what the process keeps open from its first launch
+    with pytest.raises(_RanksWouldStart):  # warm: what the process keeps open from its first launch
         with PressAtLine(10**9) as press:
-            notebook_launcher(wait_a_little, num_processes=2, display="none")
+            launch()
     reached.clear()
     before = set(os.listdir("/proc/self/fd"))
     n = interrupted = 0
@@ -391,14 +397,14 @@ def test_the_stop_button_anywhere_before_the_ranks_pipes_leaves_no_launch_in_fli
         n += 1
         with PressAtLine(n) as press:
             try:
-                notebook_launcher(wait_a_little, num_processes=2, display="none")
+                launch()
             except KeyboardInterrupt:
                 interrupted += 1
-            except _PoolWouldBeMade:
+            except _RanksWouldStart:
                 pass
         assert (inflight.count(), _one_at_a_time_lock.locked()) == (0, False), (n, press.where)
         assert set(os.listdir("/proc/self/fd")) <= before, (n, press.where)
-    assert interrupted >= n - 1 > 100  # a press at every line before the generation's making, and each landed
+    assert interrupted >= n - 1 > 100  # a press at every line before the ranks' start, and each landed
 
 
 @pytest.mark.parametrize("setting,env,error", [

@@ -63,9 +63,6 @@ class AgentPool(RankPool):
     ranks, whose calls come by ``send``)."""
 
     def __init__(self, config, engine, job: Any = None, attempt: int = 0, live: bool = False, pg_timeout: float = 1800.0):
-        # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
-        if isinstance(job, CloudJob):
-            job = PackedJob(job.pack(sharing=False))
         self._config, self._engine, self._job, self._attempt, self._live = config, engine, job, attempt, live
         self._pg_timeout = pg_timeout
         self.per_node = config.num_processes
@@ -99,9 +96,11 @@ class AgentPool(RankPool):
         for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
             rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
         sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
+        # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
+        job = PackedJob(self._job.pack(sharing=False)) if isinstance(self._job, CloudJob) else self._job
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
-            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": self._job,
+            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": job,
                                          "placement": placement, "node_addr": hello["addr"], "backend": backend,
                                          "attempt": self._attempt, "modules": sources}))  # False: gone, said below
         waiting = {a.node for a in self._agents}

@@ -51,7 +51,9 @@ class Engine(abc.ABC):
     def new_pool(self, job: Any, attempt: int):
         """A generation of ranks (a ``RankPool``), not started yet. ``job``:
         a launch's one call (None: live ranks, whose calls come by
-        ``send``); ``attempt``: how many generations came before."""
+        ``send``); ``attempt``: how many generations came before. Made with
+        the kernel's interrupt deferred (a press as it returned lost the
+        pool and all it held), so it must not wait: waiting is ``start``'s."""
 
     def place(self, pool, view) -> None:
         """Start the generation's ranks and show in ``view`` where they sit in the job."""

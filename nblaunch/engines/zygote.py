@@ -98,12 +98,19 @@ class Zygote:
     its rank does)."""
 
     def __init__(self, ctx, ranks: list[tuple], kernel_ends: list):
-        pipes = [os.pipe() for _ in ranks]
-        self.ranks = [ZygoteRank(r) for r, _ in pipes]
-        self._writes = [w for _, w in pipes]
-        kernel_only = [*kernel_ends, *(r for r, _ in pipes)]
-        self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only),
-                                 name="nblaunch-zygote", daemon=False)
+        self.ranks: list[ZygoteRank] = []
+        self._writes: list[int] = []
+        try:
+            for _ in ranks:
+                r, w = os.pipe()
+                self.ranks.append(ZygoteRank(r))
+                self._writes.append(w)
+            kernel_only = [*kernel_ends, *(rank.sentinel for rank in self.ranks)]
+            self._proc = ctx.Process(target=_serve, args=(os.getpid(), ranks, self._writes, kernel_only),
+                                     name="nblaunch-zygote", daemon=False)
+        except BaseException:
+            self.close()
+            raise
 
     def start(self, timeout: float = 60.0, forked: Callable[[], None] = lambda: None) -> None:
         """Start the zygote and learn every rank's pid; OSError if a rank
