@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import pickle
 import signal
@@ -231,6 +232,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--name-var", default="", help="the variable holding this node's name")
     opts = parser.parse_args(argv)
     parent = os.getppid()  # before the imports below: it may die meanwhile
+    # What this process imports stays for its life, so a collection during
+    # the imports finds nothing to free: without them, torch's import takes
+    # ~150 ms less CPU (10%), on every node's way to its first step.
+    gc.disable()
     from ..wire import link
     from .nodes import route_address
 
@@ -270,6 +275,8 @@ def main(argv: Optional[list] = None) -> int:
 
     from ..rank import worker  # noqa: F401
 
+    gc.freeze()  # never visited again here, nor in the ranks forked from this process (see rank.worker)
+    gc.enable()
     conn = link.connect((host.strip("[]"), int(port)), secret)
     agent = _Agent(conn, parent)
     conn.send({"node": int(os.environ.get(opts.node_var, "0") or 0),
