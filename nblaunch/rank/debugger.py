@@ -26,13 +26,16 @@ import os
 import pdb
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..wire.channel import Answer, Paused, Prompt
 
 __all__ = ["install", "begin_call", "RankPdb"]
 
 _desk: Optional["_Desk"] = None
+# The torch.distributed (None: none imported) install_hooks last ran with
+# in this process or in the zygote it was forked from; False: never ran.
+_hooked_for: Any = False
 
 
 class _NoFrontEnd(Exception):
@@ -180,6 +183,15 @@ def install(sender, go, rank: int) -> None:
     is imported) ``torch.distributed.breakpoint()`` open a :class:`RankPdb`."""
     global _desk
     _desk = _Desk(sender, go, rank)
+    if _hooked_for is not sys.modules.get("torch.distributed"):  # not yet, or torch imported since
+        install_hooks()
+
+
+def install_hooks() -> None:
+    """The hooks :func:`install` needs, set once for a generation in its
+    zygote (:func:`nblaunch.rank.setup.prepare_for_ranks`): setting them
+    in each rank wrote to ~70 pages of the kernel's it then copied."""
+    global _hooked_for
     sys.breakpointhook = _breakpointhook
     pdb.set_trace = _set_trace
     dist = sys.modules.get("torch.distributed")
@@ -190,6 +202,7 @@ def install(sender, go, rank: int) -> None:
         for factory in ("_make_distributed_pdb", "_DistributedPdb"):
             if hasattr(dist, factory):
                 setattr(dist, factory, lambda: RankPdb(_desk))
+    _hooked_for = dist
 
 
 def begin_call(call: int) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ..progress import torch_imported
 from ..wire.channel import EventSender, Phase
-from . import env as rank_env, lifeline
+from . import debugger, env as rank_env, lifeline
 
 if TYPE_CHECKING:
     from .worker import WorkerSpec
@@ -57,6 +57,7 @@ def prepare_for_ranks(spec: WorkerSpec) -> None:
         os.dup2(said.fileno(), 2)
         try:
             become_rank(spec)
+            debugger.install_hooks()
             _prepared = True
         except BaseException as exc:  # noqa: BLE001 - each rank reports it
             _prepared = exc
