@@ -56,13 +56,17 @@ class Ranks:
     """
 
     def __init__(self, config: LaunchConfig):
+        global _active
         made: list = []  # the session from its first line: a press as it returned left it in flight
         try:
             self._session = Session(config, live=True, kept_in=made)
             self._finalizer = weakref.finalize(self, _Generation(self._session).close)
             self._closed = False
             self._session.open()
+            _active = weakref.ref(self)  # here: a press as start() got them left them up unknown to it
         except BaseException:
+            if hasattr(self, "_finalizer"):
+                self._finalizer.detach()
             for session in made:
                 session.end()
             raise
@@ -203,7 +207,6 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     node is lost, the ranks are restarted on the nodes still up if at least
     this many (the next run says so).
     """
-    global _active
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
@@ -217,6 +220,4 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
         raise LaunchError(f"live ranks are already up in this kernel ({status}); "
                           "close them first (ranks.close() or %nblaunch stop)")
     with one_at_a_time():
-        ranks = Ranks(config)
-    _active = weakref.ref(ranks)
-    return ranks
+        return Ranks(config)

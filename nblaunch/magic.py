@@ -138,8 +138,8 @@ class NBLaunchMagics(Magics):
     def _line(self, opts):
         if opts.action == "start":
             type(self).ranks = live_ranks.start(opts.num_processes or 2, start_method=opts.start_method,
-                                             backend=opts.backend, display=opts.display, cluster=opts.cluster,
-                                             num_nodes=opts.nodes)
+                                                backend=opts.backend, display=opts.display, cluster=opts.cluster,
+                                                num_nodes=opts.nodes)
             print(f"nblaunch: {type(self).ranks.status}")
         elif opts.action == "stop":
             live = live_ranks.active()

@@ -46,6 +46,7 @@ CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 # once. Taken by ``with``: a press just after an ``acquire()`` kept it for good.
 _one_at_a_time_lock = threading.Lock()
 
+
 class LaunchResults(list):
     """What ``notebook_launcher`` (and a call on live ranks) returns: this
     node's per-rank results in local-rank order (a plain list in every other

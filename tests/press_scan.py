@@ -11,10 +11,10 @@ the next launch must work. Prints one JSON line per launch that did not,
 then ``{"scanned": count}``.
 
 It found the launch slot kept for good, the engine left counted in flight,
-launch folders never pruned and a rank's pipe fds left open (all fixed;
-tests/test_hygiene.py presses at every line up to the generation's making).
-Still open: a press while the zygote's status pipes are made
-(``engines/zygote.py``, ``os.pipe()`` per rank) leaves them open."""
+launch folders never pruned, a rank's pipe fds left open, a pool (its
+zygote's pipes, its folder) lost as it was handed back, and live ranks'
+session left in flight (all fixed; tests/test_hygiene.py presses at every
+line of a launch and of ``nblaunch.start`` up to the ranks' start)."""
 from __future__ import annotations
 
 import dis

@@ -180,14 +180,17 @@ def test_verbs_reach_the_node_of_the_rank_and_release_stays_on_the_node():
 
 
 def test_tensors_in_a_launchs_job_travel_in_its_bytes_not_as_shared_memory_handles():
-    """A handle to this machine's shared memory means nothing on another node."""
+    """A handle to this machine's shared memory means nothing on another node.
+    The cluster engine packs the job once, before any node is asked for."""
     import torch
 
-    from nblaunch.wire.payload import CloudJob
+    from nblaunch.engines.slurm import SlurmEngine
 
     weights = torch.full((10_000,), 7.0)
+    job = SlurmEngine.__new__(SlurmEngine).job(torch.sum, (weights,), {})  # job() needs no allocation
+    assert job.size > weights.nbytes  # what the launch's notice of a large job reads
     engine = ScriptedEngine({})
-    pool = _pool(engine, job=CloudJob(torch.sum, (weights,), {}))
+    pool = _pool(engine, job=job)
     try:
         data = engine.setups[1]["job"]._data
         assert len(data) > weights.nbytes  # the tensor's 40 kB are in the bytes

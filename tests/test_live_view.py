@@ -254,7 +254,7 @@ def test_gpu_memory_without_nvml_comes_from_the_rank(kernel):
 
 def test_a_row_says_what_its_rank_does_before_its_first_step(monkeypatch):
     """No row sits silent at 0%: importing, joining the process group, in fn."""
-    import nblaunch.session as session_mod  # the live ranks' session draws with its make_display
+    import nblaunch.session as session_mod
     from nblaunch.view import TextDisplay
 
     seen: dict = {}

@@ -29,7 +29,6 @@ from ..errors import LaunchError
 from ..logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store, route_address
 from ..wire.modules import local_sources
-from ..wire.payload import CloudJob, PackedJob
 from .plan import resolve_backend
 from .pool import TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankFacts, RankPool
 
@@ -59,8 +58,8 @@ class _Rank(RankFacts):
 class AgentPool(RankPool):
     """``engine.num_nodes`` nodes of ``config.num_processes`` ranks each.
 
-    ``job`` is a launch's one call (a ``payload.CloudJob``; None for live
-    ranks, whose calls come by ``send``)."""
+    ``job`` is a launch's one call (a ``payload.PackedJob``, packed by the
+    engine; None for live ranks, whose calls come by ``send``)."""
 
     def __init__(self, config, engine, job: Any = None, attempt: int = 0, live: bool = False, pg_timeout: float = 1800.0):
         self._config, self._engine, self._job, self._attempt, self._live = config, engine, job, attempt, live
@@ -96,11 +95,9 @@ class AgentPool(RankPool):
         for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
             rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
         sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
-        # Tensors in the job travel in its bytes: a shared-memory handle means nothing on another machine.
-        job = PackedJob(self._job.pack(sharing=False)) if isinstance(self._job, CloudJob) else self._job
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
-            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": job,
+            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": self._job,
                                          "placement": placement, "node_addr": hello["addr"], "backend": backend,
                                          "attempt": self._attempt, "modules": sources}))  # False: gone, said below
         waiting = {a.node for a in self._agents}

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from .agent_pool import AgentPool
 from .base import Engine
 from .plan import pg_timeout_for
+from ..wire.payload import PackedJob
 
 __all__ = ["AgentEngine", "AgentStep"]
 
@@ -105,6 +106,12 @@ class AgentEngine(Engine):
             return False
         self.without(lost)
         return True
+
+    def job(self, fn: Callable, args: tuple, kwargs: dict) -> PackedJob:
+        """Packed once, before any node is asked for: tensors travel in its
+        bytes (a shared-memory handle means nothing on another machine), and
+        what cannot be packed is said before an allocation or an agent."""
+        return PackedJob(super().job(fn, args, kwargs).pack(sharing=False))
 
     def new_pool(self, job: Any, attempt: int) -> "AgentPool":
         return AgentPool(self.config, self, job=job, attempt=attempt, live=self.live, pg_timeout=self.pg_timeout)

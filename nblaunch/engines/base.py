@@ -53,7 +53,8 @@ class Engine(abc.ABC):
         a launch's one call (None: live ranks, whose calls come by
         ``send``); ``attempt``: how many generations came before. Made with
         the kernel's interrupt deferred (a press as it returned lost the
-        pool and all it held), so it must not wait: waiting is ``start``'s."""
+        pool and all it held): it only makes what is its own (its folder,
+        its pipes) and waits on no process; waiting is ``start``'s."""
 
     def place(self, pool, view) -> None:
         """Start the generation's ranks and show in ``view`` where they sit in the job."""

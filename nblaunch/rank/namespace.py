@@ -1,6 +1,6 @@
 """The names a live rank keeps between calls, and how a call's function reaches them.
 
-In a live session (:mod:`nblaunch.session`) each rank has one namespace for
+In a live session (:mod:`nblaunch.live`) each rank has one namespace for
 its whole life, the rank's own ``__main__`` as ``%%px`` gives an ipyparallel
 engine: ``global model`` in one call's function is ``model`` in the next.
 

@@ -127,6 +127,7 @@ class PackedJob:
 
     def __init__(self, data: bytes):
         self._data = data
+        self.size = len(data)  # bytes per rank
 
     def load(self) -> tuple:
         return pickle.loads(self._data)
