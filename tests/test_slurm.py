@@ -234,6 +234,29 @@ nblaunch.notebook_launcher(spin, num_processes=2, cluster="slurm", display="text
 
 
 @needs_slurm
+def test_a_nodes_agent_sleeps_while_its_ranks_are_quiet(slurm_kernel, allocation):
+    """While the ranks send nothing, a node's agent wakes about once a second
+    (its resource sample), not 20 times (it polled every 50 ms): counted by
+    the agent's main thread's voluntary context switches, from its rank."""
+    text = _ok(slurm_kernel.execute("""
+import time, nblaunch
+def agent_wakes():
+    import psutil
+    agent = psutil.Process().parent().parent()  # rank <- zygote <- agent
+    assert "nblaunch.engines.agent" in " ".join(agent.cmdline())
+    def switches():
+        with open(f"/proc/{agent.pid}/task/{agent.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("voluntary_ctxt_switches")).split()[1])
+    time.sleep(1.0)  # the launch's own traffic is over
+    before = switches()
+    time.sleep(3.0)
+    return switches() - before
+print("wakes", list(nblaunch.notebook_launcher(agent_wakes, num_processes=1, cluster="slurm", display="none")))"""))
+    wakes = [int(w) for w in re.search(r"wakes \[([\d, ]+)\]", text).group(1).split(",")]
+    assert all(w <= 12 for w in wakes), wakes  # 3 s: ~3 samples (it was ~60)
+
+
+@needs_slurm
 def test_scancel_of_the_agents_step_is_a_clear_failure_naming_the_node(slurm_kernel, allocation):
     msg = slurm_kernel.execute_async("""
 import time, nblaunch
