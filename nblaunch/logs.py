@@ -52,9 +52,6 @@ def new_launch_dir() -> tuple[Path, Optional[str]]:
         _prune(root)
     except OSError:
         pass
-    except BaseException:  # the stop button: the caller never gets the folder to release
-        release_launch_dir(path)
-        raise
     return path, notice
 
 

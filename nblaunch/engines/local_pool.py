@@ -28,7 +28,7 @@ from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
 from .pidfds import open_pidfd, wait as wait_pidfds
-from .procs import InterruptsDeferred, Starter, in_helper_thread, is_running, signal_trees, write_atomically
+from .procs import Starter, in_helper_thread, is_running, signal_trees, write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
@@ -77,7 +77,7 @@ class LocalPool(RankPool):
         self._method = plan.method
         self._pipes: Optional[PoolPipes] = None  # every rank's pipes, once all are started
         forks_by_zygote = zygote and zygote_usable(plan.method)
-        try:  # an interrupt anywhere in here leaves no pipe open and no folder held
+        try:  # a failure anywhere here leaves nothing open (a press waits: see Engine.new_pool)
             self.log_dir, self.notice = new_launch_dir()
             for local in range(self.size):
                 self._make_rank(plan, local, job, attempt, own_process=not forks_by_zygote)
@@ -104,12 +104,11 @@ class LocalPool(RankPool):
                           **base)
         ends: list = []
         try:
-            with InterruptsDeferred():  # Pipe() makes both fds, then their Connections: a press between leaked them
-                for _ in range(3):
-                    ends += ctx.Pipe(duplex=False)
+            for _ in range(3):
+                ends += ctx.Pipe(duplex=False)
         finally:
-            # Every end made is closed by close(), whatever happens next: an
-            # interrupt before this rank is recorded leaked its 3 kernel ends.
+            # Every end made is closed by close(), whatever happens next: a
+            # failure (out of fds) before this rank is recorded leaked its ends.
             self._ends += ends
         go_r, go_w, ev_r, ev_w, out_r, out_w = ends
         self._child_ends += [go_r, ev_w, out_w]
