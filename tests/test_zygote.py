@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from conftest import Kernel, wait_gone
+from conftest import Kernel, launch_processes, wait_gone
 from nblaunch import notebook_launcher
 
 pytestmark = pytest.mark.timeout(300)
@@ -264,3 +264,38 @@ def test_a_zygote_that_dies_before_forking_is_a_clear_launch_error(monkeypatch):
     while len(os.listdir("/proc/self/fd")) > fds and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_the_stop_button_while_the_zygote_makes_the_ranks_returns_at_once(monkeypatch):
+    """A zygote slow to make its ranks (a loaded machine: seconds) is ended,
+    not waited for, and its ranks with it: a press then took 2 s more to
+    return (the teardown's wait for the starter; 4 s once in the suite under
+    load, tests/test_kernel.py's early stop-button test)."""
+    import signal
+    import threading
+    import time
+
+    from nblaunch.rank import setup as rank_setup
+
+    prepare = rank_setup.prepare_for_ranks
+    monkeypatch.setattr(rank_setup, "prepare_for_ranks", lambda spec: (time.sleep(3), prepare(spec))[1])
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a kernel's, as ipykernel sets
+    before = set(launch_processes(os.getpid()))
+    pressed: dict = {}
+
+    def press():
+        time.sleep(0.5)  # the zygote is forked by then, and sleeps in its set-up
+        pressed["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press)
+    try:
+        presser.start()
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(said_nothing, num_processes=2, start_method="fork", display="none")
+        took = time.monotonic() - pressed["at"]
+    finally:
+        presser.join()
+        signal.signal(signal.SIGINT, previous)
+    assert took < 1.0, f"the press took {took:.2f} s to return"
+    assert wait_gone(set(launch_processes(os.getpid())) - before, timeout=5) == []

@@ -307,6 +307,10 @@ class LocalPool(RankPool):
         out: list[PoolEvent] = []
         if self._starter is not None:
             self._no_more_starts.set()  # no more starts ...
+            if self._zygote is not None and not self._started.is_set():
+                # Still making its ranks (a slow machine: seconds): ended, not
+                # waited for, and the ranks it forked die with it.
+                self._zygote.kill()
             if not self._started.wait(TEARDOWN_WAIT_S):  # ... and none in flight
                 self._starter.wedged()
         for p in self._procs:

@@ -140,6 +140,17 @@ class Zygote:
         for rank in self.ranks:
             rank.close()
 
+    def kill(self) -> None:
+        """End the zygote now, if it runs (its ranks die with it: their
+        parent-death signal). Its pid is ours until ``reap``: no other
+        process can have it. Safe while the starter is starting it."""
+        popen = self._proc._popen
+        if popen is not None and popen.returncode is None:
+            try:
+                os.kill(popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def reap(self, timeout: float = 2.0) -> None:
         """Wait for the zygote to leave (killed after ``timeout``). Not on
         the launch's way back: its exit takes milliseconds, as it frees a
