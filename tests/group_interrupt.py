@@ -10,7 +10,8 @@ launch raised, how long it took to return, the launch's processes still
 running 1 s after it returned, whether the zygote was sent the signal
 (still in the group when it went), whether it holds that signal unhandled,
 and how the zygote ended (0: on its own,
-once its ranks were reaped)."""
+once its ranks were reaped; -9: ended by the stop while still making them)
+and how long its reaping took."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def sleeper():
 HITS: list = []  # per launch: the zygote was still in this group when the signal went
 HELD: list = []  # per launch: the zygote holds that SIGINT, unhandled
 EXITS: list = []  # per launch: the zygote's exit code, once reaped
+REAPS: list = []  # per launch: how long reaping it took (its timeout, 2 s, then a kill: it hung)
 
 
 def _holds_a_pending_sigint(pid: int) -> bool:
@@ -49,8 +51,10 @@ def _holds_a_pending_sigint(pid: int) -> bool:
 def note_exit(reap):
     def reap_and_note(self, timeout=2.0):
         popen = self._proc._popen
+        t0 = time.monotonic()
         reap(self, timeout)
         EXITS.append(None if popen is None else popen.returncode)
+        REAPS.append(time.monotonic() - t0)
     return reap_and_note
 
 
@@ -91,7 +95,8 @@ def main(launches: int) -> None:
             time.sleep(0.01)
         print(json.dumps({"raised": raised, "took": took, "left": left, "zygote_got_it": HITS[-1],
                           "zygote_held_it": HELD[-1],
-                          "zygote_exit": EXITS[-1] if len(EXITS) == len(HITS) else "not reaped"}), flush=True)
+                          "zygote_exit": EXITS[-1] if len(EXITS) == len(HITS) else "not reaped",
+                          "zygote_reap_s": REAPS[-1] if len(REAPS) == len(HITS) else None}), flush=True)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,9 @@ def test_jupyters_interrupt_as_the_zygote_is_forked_stops_the_launch_and_nothing
     for launch in launches:
         assert launch["raised"] == "KeyboardInterrupt", launch
         assert launch["took"] < 1.5 and launch["left"] == [], launch
-        assert launch["zygote_exit"] == 0, launch  # it left on its own, its ranks reaped
+        # It left on its own once its ranks were reaped (0), or was ended by the
+        # stop while still making them (-9); never hung until its reap's kill.
+        assert launch["zygote_exit"] in (0, -9) and launch["zygote_reap_s"] < 1.0, launch
         if launch["zygote_got_it"]:
             assert launch["zygote_held_it"], launch  # its handler never ran
     assert sum(launch["zygote_got_it"] for launch in launches) >= 5, "too few interrupts reached a zygote"
