@@ -58,7 +58,10 @@ def rank_traceback(failure: RankFailure) -> Optional[TracebackType]:
 def _frame(record: FrameRecord) -> TracebackType:
     if record.lines and not linecache.getlines(record.filename):
         linecache.cache[record.filename] = (sum(map(len, record.lines)), None, record.lines, record.filename)
-    code = compile("\n" * (record.lineno - 1) + "raise", record.filename, "exec").replace(co_name=record.name)
+    # A fresh error: a bare ``raise`` re-raised the exception being handled
+    # where this runs (an ``except`` block), whose traceback then took in
+    # every frame made, and linking them made a loop (ValueError).
+    code = compile("\n" * (record.lineno - 1) + "1 / 0", record.filename, "exec").replace(co_name=record.name)
     namespace = {name: _load(value) for name, value in record.values.items()}
     try:
         exec(code, _globals(record.module), namespace)

@@ -153,6 +153,22 @@ def _fail_inside():
         return exc
 
 
+def test_a_snapshot_becomes_real_frames_inside_an_except_block_too():
+    """Made where an exception is being handled (a live call's failure is
+    noted in an ``except`` block): the frames came from re-raising that
+    exception, and linking them failed with "traceback loop detected"."""
+    failure = RankFailure(1, "exception", 0.0, frames=rank_postmortem.snapshot(_fail_inside()))
+    try:
+        raise KeyError("being handled")
+    except KeyError:
+        tb = postmortem.rank_traceback(failure)
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert names[-2:] == ["outer", "inner"], names
+
+
 def test_a_snapshot_becomes_real_frames_with_the_ranks_locals():
     exc = _fail_inside()
     frames = rank_postmortem.snapshot(exc)

@@ -302,15 +302,12 @@ class LocalPool(RankPool):
         return ended and others
 
     def drain(self) -> list[PoolEvent]:
-        """Once every rank is stopped: what they printed last (to their logs,
-        and returned for the view)."""
+        """Once every rank is stopped: what they printed last (to their logs, and for the view)."""
         out: list[PoolEvent] = []
         if self._starter is not None:
             self._no_more_starts.set()  # no more starts ...
             if self._zygote is not None and not self._started.is_set():
-                # Still making its ranks (a slow machine: seconds): ended, not
-                # waited for, and the ranks it forked die with it.
-                self._zygote.kill()
+                self._zygote.kill()  # still making its ranks (seconds, loaded): not waited for; they die with it
             if not self._started.wait(TEARDOWN_WAIT_S):  # ... and none in flight
                 self._starter.wedged()
         for p in self._procs:
