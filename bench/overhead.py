@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 def per_iteration(n: int) -> dict:
     from tqdm import tqdm
 
-    from nblaunch import progress
+    from nblaunch.rank import progress
 
     def timed(make):
         t = time.perf_counter_ns()
@@ -57,7 +57,7 @@ def sampling_ms(ranks: int = 4, children: int = 2) -> float:
     ``children`` each, like DataLoader workers."""
     import subprocess
 
-    from nblaunch.resources import INTERVAL_S, Sampler
+    from nblaunch.system.resources import INTERVAL_S, Sampler
 
     code = "import subprocess, sys, time; [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) " \
            f"for _ in range({children})]; time.sleep(60)"
@@ -87,7 +87,7 @@ def rank_setup_ms() -> float:
     import pytorch_lightning  # noqa: F401
     import transformers.trainer  # noqa: F401
 
-    from nblaunch import integrations
+    from nblaunch.rank import integrations
     from nblaunch.rank import env as rank_env
 
     t = time.perf_counter()
@@ -102,7 +102,8 @@ def _loop(steps: int, report: bool) -> float:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch import log, progress
+    from nblaunch import log
+    from nblaunch.rank import progress
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))

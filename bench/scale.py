@@ -354,7 +354,7 @@ def replay_cluster(world: int = 1024, per_node: int = 8, seconds: int = 10, hz: 
     from nblaunch.engines.pipes import coalesce
     from nblaunch.engines.pool import Message
     from nblaunch.view.widget import WidgetDisplay, _Static
-    from nblaunch.watch import CallWatch
+    from nblaunch.watch.call import CallWatch
     from nblaunch.wire.channel import Metrics, Progress
 
     nodes = world // per_node

@@ -8,12 +8,13 @@ def _started_as_agent() -> bool:
     return any(a == "-m" and b == "nblaunch.engines.agent" for a, b in zip(argv, argv[1:]))
 
 
-# Where each public name lives (what an agent imports on first use).
-_LAZY = {"sharded_loader": ".data", "notebook_launcher": ".launcher", "debug": ".postmortem",
-         "preempted": ".preempt", "progress": ".progress", "log": ".progress", "LaunchResults": ".session",
-         "Ranks": ".live", "start": ".live", "runs": ".background", "submit": ".background",
-         "Run": ".runs", "RunStopped": ".runs", "attach": ".detached", "Ray": ".engines.ray",
-         "Slurm": ".engines.slurm", **dict.fromkeys(
+# Where each public name lives: the doors (this folder's modules) and the
+# rank-side API (``rank/``). An agent imports each on first use.
+_LAZY = {"notebook_launcher": ".launcher", "LaunchResults": ".session", "Ranks": ".live", "start": ".live",
+         "submit": ".background.submit", "runs": ".background.submit", "Run": ".background.in_kernel",
+         "RunStopped": ".errors", "attach": ".background.detached", "debug": ".watch.postmortem",
+         "progress": ".rank.progress", "log": ".rank.progress", "sharded_loader": ".rank.data",
+         "preempted": ".rank.notice", "Ray": ".clusters", "Slurm": ".clusters", **dict.fromkeys(
              ("LaunchError", "LaunchTimeout", "Preempted", "RankFailure", "WorkerError"), ".errors")}
 
 if _started_as_agent():
@@ -22,35 +23,27 @@ if _started_as_agent():
     # its first step, where srun's rank pays only for torch. What its ranks'
     # code asks of ``nblaunch`` (``nblaunch.progress``...) is imported then.
     from .errors import LaunchError, LaunchTimeout, Preempted, RankFailure, WorkerError
-    from .progress import log, progress  # the ranks import the module ``progress``: the function's name must win
 
     def __getattr__(name: str):
         if name not in _LAZY:
             raise AttributeError(f"module 'nblaunch' has no attribute {name!r}")
         import importlib
 
-        importlib.import_module(_LAZY[name], __name__)
-        # Importing a submodule binds its name here (``nblaunch.runs``, the
-        # module, over ``runs``, the function): the public names win.
-        for public, where in _LAZY.items():
-            module = sys.modules.get(__name__ + where)
-            if module is not None:
-                globals()[public] = getattr(module, public)
-        return globals()[name]
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        return value
 else:
-    from .data import sharded_loader
-    from .errors import LaunchError, LaunchTimeout, Preempted, RankFailure, WorkerError
+    from .errors import LaunchError, LaunchTimeout, Preempted, RankFailure, RunStopped, WorkerError
     from .launcher import notebook_launcher
-    from .postmortem import debug
-    from .preempt import preempted
-    from .progress import log, progress
     from .live import Ranks, start
     from .session import LaunchResults
-    from .background import runs, submit
-    from .runs import Run, RunStopped
-    from .detached import attach
-    from .engines.ray import Ray
-    from .engines.slurm import Slurm
+    from .background.submit import runs, submit
+    from .background.in_kernel import Run
+    from .background.detached import attach
+    from .watch.postmortem import debug
+    from .rank.progress import log, progress
+    from .rank.data import sharded_loader
+    from .rank.notice import preempted
+    from .clusters import Ray, Slurm
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
            "WorkerError", "LaunchTimeout", "Preempted", "preempted", "RankFailure", "Slurm", "Ray", "debug",

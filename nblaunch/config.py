@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Callable, Optional
 
-__all__ = ["LaunchConfig", "check_call", "check_call_options"]
+from .clusters import Ray, Slurm
+from .rank.results import max_result_bytes
+from .system.network import route_address
+
+__all__ = ["LaunchConfig", "check_call", "check_call_options", "lost_after", "LOST_AFTER_S"]
+
+LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
@@ -52,7 +58,7 @@ class LaunchConfig:
     min_nodes: Optional[int] = None  # with max_restarts: a lost node's generation restarts on the others if this many are up
     preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
-    # A background run's share of the machine (nblaunch.runs): CPU numbers
+    # A background run's share of the machine (nblaunch.background): CPU numbers
     # and GPU indices, made sorted tuples when checked (_check_share).
     cpus: Any = None
     devices: Any = None
@@ -136,9 +142,6 @@ def _check_cluster(c: LaunchConfig) -> None:
     its nodes (1, the default: all of them; see :func:`_check_counts`)."""
     if c.cluster is None:
         return
-    from .engines.ray import Ray
-    from .engines.slurm import Slurm
-
     if isinstance(c.cluster, str) and c.cluster.lower() in ("slurm", "ray"):
         object.__setattr__(c, "cluster", Slurm() if c.cluster.lower() == "slurm" else Ray())
     elif not isinstance(c.cluster, (Slurm, Ray)):
@@ -190,7 +193,7 @@ def _check_share(c: LaunchConfig) -> None:
     """``cpus`` (CPU numbers this process may use) and ``devices`` (GPU
     indices of this machine): distinct ints, made sorted tuples. Only for
     ranks on this machine; overlap with another run is checked by
-    :mod:`nblaunch.runs`, which knows the others."""
+    :mod:`nblaunch.background.in_kernel`, which knows the others."""
     for name, allowed in (("cpus", _usable_cpus), ("devices", _gpu_indices)):
         value = getattr(c, name)
         if value is None:
@@ -263,15 +266,11 @@ def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"rdzv_endpoint must be 'host:port', got {endpoint!r}")
-    from .engines.lost_nodes import lost_after
-
     lost_after()  # NBLAUNCH_NODE_LOST_AFTER, read by every node's heartbeat watch
     return host, int(port)
 
 
 def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]]) -> str:
-    from .engines.nodes import route_address
-
     if master_addr is not None:
         return master_addr
     if endpoint is None:
@@ -285,8 +284,6 @@ def _node_address(master_addr: Optional[str], endpoint: Optional[tuple[str, int]
 
 def _check_settings(addr: str) -> None:
     """What would otherwise fail only inside the ranks, after fn ran."""
-    from .rank.results import max_result_bytes
-
     try:
         max_result_bytes()
     except ValueError:
@@ -297,3 +294,14 @@ def _check_settings(addr: str) -> None:
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"master_addr {addr!r} is not an address or host name this machine can "
                          f"resolve ({exc})") from None
+
+
+def lost_after() -> float:
+    """``NBLAUNCH_NODE_LOST_AFTER``: seconds without a heartbeat after which a node is lost."""
+    text = os.environ.get("NBLAUNCH_NODE_LOST_AFTER", "").strip()
+    if not text:
+        return LOST_AFTER_S
+    value = float(text) if text.replace(".", "", 1).isdigit() else -1.0
+    if not 0.5 <= value < 1e6:
+        raise ValueError(f"NBLAUNCH_NODE_LOST_AFTER must be a number of seconds >= 0.5, got {text!r}")
+    return value

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from .launcher import notebook_launcher
-from .progress import log, progress
+from .rank.progress import log, progress
 
 
 def train(epochs: int = 8, steps_per_epoch: int = 25, batch: int = 64) -> float:

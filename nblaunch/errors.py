@@ -7,6 +7,7 @@ other ranks' failures are kept in ``.failures`` and listed briefly after it.
 from __future__ import annotations
 
 import re
+import time
 import signal as _signal
 import dataclasses
 import json
@@ -14,9 +15,10 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .rank.spec import current_spec
 from .rank.frames import in_notebook_terms, is_machinery, parse_frame
 
-__all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "Preempted", "RankFailure", "Departure"]
+__all__ = ["LaunchError", "LaunchTimeout", "WorkerError", "Preempted", "RunStopped", "RankFailure", "Departure"]
 
 
 class LaunchError(RuntimeError):
@@ -56,6 +58,43 @@ class Preempted(LaunchError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.signal, self.step, self.returned, self.log_dir))
+
+
+class RunStopped(LaunchError):
+    """What ``result()`` raises for a background run ended by ``run.stop()``:
+    every rank was stopped. ``run_id`` names the run, ``where`` is each
+    rank's stack as it was stopped ("" where not known), ``log_dir`` where
+    each rank's output is. Raised by the call watch when its owner asks it
+    to stop (``CallWatch(stop_requested=...)``)."""
+
+    def __init__(self, run_id: str = "", where: str = "", log_dir: Optional[str] = None):
+        run = f"run {run_id} was stopped (run.stop()); " if run_id else "run.stop(): "
+        at = f"; where each rank was (innermost frame first):\n{where}\n" if where else ". "
+        super().__init__(f"{run}every rank was stopped{at}Full output: {log_dir}")
+        self.run_id, self.where, self.log_dir = run_id, where, log_dir
+
+    def named(self, run_id: str) -> "RunStopped":
+        """The same stop, said of run ``run_id``."""
+        return RunStopped(run_id, self.where, self.log_dir)
+
+    def __reduce__(self):
+        return (type(self), (self.run_id, self.where, self.log_dir))
+
+
+def timed_out(what: str, timeout: float, where: str, then: str, log_dir) -> LaunchTimeout:
+    """``what`` (the launch, a call) did not finish within ``timeout``: where
+    each rank was, and ``then``, what became of the ranks."""
+    return LaunchTimeout(f"{what} did not finish within {timeout:g} s; where each rank was (innermost frame "
+                         f"first):\n{where}\n{then} Full output: {log_dir}", log_dir=str(log_dir))
+
+
+def refuse_inside_a_rank(what: str) -> None:
+    """The one rule for every door (a launch, a submit, live ranks): it is
+    called from the notebook; from a rank's code it is refused at once."""
+    spec = current_spec()
+    if spec is not None:
+        raise LaunchError(f"{what} was called inside rank {spec.rank} of a running launch; nested launches are "
+                          "not supported. Call it from the notebook instead.")
 
 
 def render_interrupt(exc: KeyboardInterrupt, lines: list[str]) -> None:
@@ -296,6 +335,12 @@ class Departure:
     how: str
     node: Optional[int] = None
     exitcode: Optional[int] = None  # 0 when it exited, None when it returned
+
+    @classmethod
+    def of_return(cls, rank: int, node: Optional[int], when: Optional[float], exited: bool) -> "Departure":
+        """A rank whose result arrived (``exited``: it then left with code 0)."""
+        return cls(rank, when or time.time(), "exited (code 0)" if exited else "returned", node,
+                   exitcode=0 if exited else None)
 
 
 # The innermost frame of torch.distributed's collectives in a traceback.

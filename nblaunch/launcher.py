@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from .rank import worker
 from .config import LaunchConfig, check_call
-from .errors import LaunchError
+from .errors import refuse_inside_a_rank
 from .session import LaunchResults, Session, one_at_a_time
 
 __all__ = ["notebook_launcher", "LaunchResults"]
@@ -104,10 +103,7 @@ def notebook_launcher(
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
         cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace)
-    if worker.current_spec() is not None:
-        raise LaunchError(
-            f"notebook_launcher was called inside rank {worker.current_spec().rank} of a running "
-            "launch; nested launches are not supported. Call it from the notebook instead.")
+    refuse_inside_a_rank("notebook_launcher")
     with one_at_a_time(
             "another launch is running in this kernel (started from another thread); nblaunch runs "
             "one launch per kernel at a time, since forking ranks while another launch's threads run "

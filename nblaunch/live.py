@@ -17,10 +17,11 @@ import weakref
 from typing import Callable, Optional
 
 from .config import LaunchConfig, check_call, check_call_options
-from .errors import LaunchError
-from .rank import namespace, worker
+from .errors import LaunchError, refuse_inside_a_rank
+from .rank import namespace
+from .rank.spec import current_spec
 from .session import Session, one_at_a_time
-from .watch import ranks_label
+from .watch.call import ranks_label
 from .wire.payload import check_sendable
 
 __all__ = ["start", "Ranks", "active"]
@@ -166,8 +167,7 @@ class Ranks:
     def _check_usable(self) -> None:
         if self._closed:
             raise LaunchError("these live ranks were closed; start new ones with nblaunch.start()")
-        if worker.current_spec() is not None:
-            raise LaunchError("live ranks cannot be used from inside a rank; call from the notebook")
+        refuse_inside_a_rank("a call on live ranks")
 
     def _call(self, job: bytes, timeout: Optional[float], display: str, counted: bool):
         self._check_usable()
@@ -185,7 +185,7 @@ def _pack(fn, args: tuple, kwargs: dict) -> bytes:
 
 def _pull_on(name: str, rank: Optional[int]):
     """In each rank: the named object from the one asked (None from the others)."""
-    if rank is not None and worker.current_spec().rank != rank:
+    if rank is not None and current_spec().rank != rank:
         return None
     return namespace.pull(name)
 
@@ -211,8 +211,7 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
                           cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes)
-    if worker.current_spec() is not None:
-        raise LaunchError("nblaunch.start was called inside a rank; start live ranks from the notebook")
+    refuse_inside_a_rank("nblaunch.start")
     up = active()
     status = up.status if up is not None else None
     del up  # a traceback kept by IPython must not keep the session alive

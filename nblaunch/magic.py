@@ -18,8 +18,8 @@ the names a cell binds stay in each rank for the next cells, as ipyparallel's
 ``%%px`` does. ``%nblaunch status`` says what is up.
 
 ``%%nblaunch --background`` returns at once: the cell's value is the
-:class:`~nblaunch.runs.Run` (``run = _``), its view in the cell
-(``--detach``: a run that outlives the kernel, see :mod:`nblaunch.detached`).
+:class:`~nblaunch.background.in_kernel.Run` (``run = _``), its view in the cell
+(``--detach``: a run that outlives the kernel, see :mod:`nblaunch.background.detached`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def run_cell(source: str, filename: str, names: dict):
     value of its last expression (None if it ends with a statement). In a
     live rank, in the rank's own namespace, where the names the cell binds
     stay for the next cell."""
-    from .rank.worker import current_spec
+    from .rank.spec import current_spec
 
     if current_spec() is not None and current_spec().live:
         ns = namespace.current()
@@ -113,7 +113,7 @@ class NBLaunchMagics(Magics):
             return live.run(run_cell, cell, filename, names, timeout=opts.timeout,
                             display=None if opts.display == "auto" else opts.display)
         if opts.background or opts.detach:  # its ranks never fork the kernel: the names it uses, pickled
-            from .background import submit
+            from .background.submit import submit
 
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
             return submit(run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,

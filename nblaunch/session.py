@@ -2,7 +2,7 @@
 
 A :class:`Session` owns the config, the engine and each generation of ranks (a
 :class:`~nblaunch.engines.pool.RankPool`); every call on it is one
-:class:`~nblaunch.watch.CallWatch`. ``notebook_launcher`` is a session whose
+:class:`~nblaunch.watch.call.CallWatch`. ``notebook_launcher`` is a session whose
 ranks serve one call; live ranks (:mod:`nblaunch.live`) are a session whose
 ranks serve calls until closed.
 
@@ -26,15 +26,16 @@ from .wire.channel import CLOSE, Call
 from .config import LaunchConfig
 from .view import SHOW_AFTER_S, TextDisplay, make_display
 from .engines import Engine, engine_for, inflight
-from .errors import LaunchError, LaunchTimeout, Preempted, WorkerError, render_interrupt
-from .preempt import Catcher
-from .restarts import History, may_restart
+from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
+from .outcome import status_of
+from .watch.preempt import Catcher
+from .watch.restarts import History, may_restart
 from .engines.pool import RankPool
 from .engines.procs import InterruptsDeferred
-from .launch_watch import LaunchWatch
-from .live_watch import LiveCallWatch
-from .postmortem import with_rank_frames
-from .watch import STOP_GRACE_S, CallWatch
+from .watch.launch import LaunchWatch
+from .watch.live import LiveCallWatch
+from .watch.postmortem import with_rank_frames
+from .watch.call import STOP_GRACE_S, CallWatch
 
 __all__ = ["Session", "LaunchResults", "one_at_a_time"]
 
@@ -70,7 +71,7 @@ class Session:
     call and end; with ``max_restarts`` a failed generation is replaced.
     Live ranks (:meth:`open`, :meth:`call`, :meth:`close`) serve calls until
     closed, and a generation that can no longer be trusted is replaced
-    before the next call. Each call is one :class:`~nblaunch.watch.CallWatch`."""
+    before the next call. Each call is one :class:`~nblaunch.watch.call.CallWatch`."""
 
     def __init__(self, config: LaunchConfig, live: bool, kept_in: Optional[list] = None):
         if kept_in is not None:
@@ -83,9 +84,11 @@ class Session:
         self.history = History(config.max_restarts)  # a launch's restarts
         self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
         self.shrunk = ""  # live ranks: why they run on fewer nodes than at first, said by the next run
-        # A launch's view of each generation, ``make_view(display, show_after=...)``:
-        # a background run (nblaunch.runs) draws into its cell and watches for run.stop().
+        # A launch's view of each generation, ``make_view(display, show_after=...)``
+        # (a background run draws into its cell), and its owner's stop, asked each
+        # tick (a background run's ``run.stop()``: the launch raises RunStopped).
         self.make_view = make_display
+        self.stop_requested: Callable[[], bool] = lambda: False
         self.engine: Engine = engine_for(config, live=live, owner=self)
         self.world_size = self.engine.world_size
 
@@ -106,7 +109,7 @@ class Session:
         With ``max_restarts`` a failed generation is replaced by a new one
         (``TORCHELASTIC_RESTART_COUNT`` counts them); each restart is said in
         the next generation's view, and the last attempt's ``WorkerError``
-        lists every attempt's cause. A preemption (:mod:`nblaunch.preempt`)
+        lists every attempt's cause. A preemption (:mod:`nblaunch.watch.preempt`)
         is never restarted: the job is ending."""
         global_method = ""  # not read yet
         try:
@@ -138,7 +141,7 @@ class Session:
     def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:
         """One generation of ranks with the launch's one call, its own view and log folder."""
         c, engine = self.config, self.engine
-        pool, view, outcome, watch = None, None, "failed", None
+        pool, view, status, watch = None, None, "failed", None
         try:  # from here on, an interrupt anywhere leaves nothing open
             with InterruptsDeferred():  # made, then kept: a press as it returned lost it
                 pool = engine.new_pool(job, attempt)
@@ -148,20 +151,15 @@ class Session:
             for text in notices + ([pool.notice] if pool.notice else []):
                 view.notice(text)
             watch = LaunchWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
-                              job_size=getattr(job, "size", 0), preemption=catcher)
+                                job_size=getattr(job, "size", 0), preemption=catcher,
+                                stop_requested=self.stop_requested)
             results = watch.run(lambda: engine.place(pool, view))
-            outcome = "finished"
+            status = "finished"
             if self.history.summary():  # the final summary says what it took
                 view.notice(self.history.summary())
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
-        except KeyboardInterrupt:
-            outcome = "interrupted"
-            raise
-        except LaunchTimeout:
-            outcome = "timed out"
-            raise
-        except Preempted:
-            outcome = "preempted"
+        except BaseException as exc:
+            status = status_of(exc)
             raise
         finally:
             self._steps = watch.steps if watch is not None else {}
@@ -170,7 +168,7 @@ class Session:
                     pool.close()
             finally:
                 if view is not None:
-                    view.close(outcome)
+                    view.close(status)
 
     # -- live ranks ----------------------------------------------------------------------
 
@@ -224,8 +222,7 @@ class Session:
         try:
             results = watch.run(begin)
         except BaseException as exc:
-            view.close("interrupted" if isinstance(exc, KeyboardInterrupt)
-                       else "timed out" if isinstance(exc, LaunchTimeout) else "failed")
+            view.close(status_of(exc))
             raise _with_note(exc, self._after(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
         view.close("finished")
         if watch.broken:

@@ -15,7 +15,7 @@ import sys
 import time
 
 from nblaunch import notebook_launcher
-from nblaunch import procid
+from nblaunch.system import procid
 
 
 def rank_and_sum():

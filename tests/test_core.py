@@ -1,5 +1,5 @@
 """The core's rules without a process: a fake rank pool feeds a real
-:class:`~nblaunch.watch.CallWatch` scripted events, and the tests check what
+:class:`~nblaunch.watch.call.CallWatch` scripted events, and the tests check what
 the user would see (the error, its root cause, the ranks stopped or kept).
 Each runs in milliseconds; the same rules are checked with real ranks in
 test_failures.py, test_session.py and test_real_code_traps.py."""
@@ -20,12 +20,12 @@ from nblaunch.view import TextDisplay
 from nblaunch.errors import LaunchTimeout, WorkerError
 from nblaunch.engines.nodes import Placement
 from nblaunch.engines.pool import Exited, Lines, Message, RankPool
-from nblaunch import rules
-from nblaunch.rules import Stalls
-from nblaunch import live_watch
-from nblaunch.live_watch import LiveCallWatch
-from nblaunch.watch import CallWatch
-from nblaunch.stop_button import StopButton
+from nblaunch.watch.call import rules
+from nblaunch.watch.rules import Stalls
+from nblaunch.watch.call import live as live_watch
+from nblaunch.watch.live import LiveCallWatch
+from nblaunch.watch.call import CallWatch
+from nblaunch.watch.stop_button import StopButton
 
 PEER_LOST = "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from nblaunch import debug_desk, postmortem
-from nblaunch.debug_desk import DebugDesk
+from nblaunch.watch.call import debug_desk, postmortem
+from nblaunch.watch.debug_desk import DebugDesk
 from nblaunch.errors import RankFailure
 from nblaunch.rank import postmortem as rank_postmortem
 from nblaunch.wire.channel import Answer, Paused, Prompt

@@ -118,7 +118,7 @@ def test_a_launch_works_whatever_started_the_process(case, tmp_path):
 
 
 def test_a_process_is_known_by_its_pid_and_start_time():
-    from nblaunch import procid
+    from nblaunch.system import procid
 
     me = procid.identity(os.getpid())
     assert procid.same_process(me)

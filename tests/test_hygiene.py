@@ -288,7 +288,7 @@ def test_an_unwritable_log_folder_means_a_temporary_one_and_a_notice(tmp_path, m
 
 
 def test_pruning_never_removes_a_folder_in_use(tmp_path, monkeypatch):
-    from nblaunch import logs
+    from nblaunch.engines import logs
 
     monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
     first, _ = logs.new_launch_dir()
@@ -368,7 +368,7 @@ def test_the_stop_button_anywhere_before_the_ranks_start_leaves_no_launch_in_fli
     press as the session handed its engine back left one, and every later
     launch of the kernel started from the forkserver), the slot free, and no
     file open (a press while the zygote's pipes were made leaked them)."""
-    from nblaunch import logs
+    from nblaunch.engines import logs
     from nblaunch.engines import inflight
     from nblaunch.engines.local_pool import LocalPool
     from nblaunch.session import _one_at_a_time_lock

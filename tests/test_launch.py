@@ -239,7 +239,7 @@ def test_a_live_ranks_interrupt_goes_to_its_main_thread(send, taker):
     is the one to wake; to the main thread, nothing else can."""
     import subprocess
 
-    from nblaunch.linux import signal_main_thread
+    from nblaunch.system.linux import signal_main_thread
 
     child = subprocess.Popen([sys.executable, "-c", _WHO_TAKES_SIGINT], stdout=subprocess.PIPE, text=True)
     try:
@@ -452,7 +452,7 @@ def test_bad_input_is_refused_before_any_process_starts(kwargs, exc, text):
 
 
 def test_old_launch_logs_are_pruned_but_not_another_live_kernels(tmp_path, monkeypatch):
-    from nblaunch import logs
+    from nblaunch.engines import logs
 
     monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
     other_live = tmp_path / f"20000101-000000-{os.getppid()}-000000001"  # older than all, owner alive
@@ -470,7 +470,7 @@ def test_a_new_launch_folder_is_never_pruned_by_its_own_launch(tmp_path, monkeyp
     the nanoseconds from the next), was not yet marked in use, and was pruned
     before the ranks' log files were opened. Forced here with folders of this
     process whose names sort after any made now."""
-    from nblaunch import logs
+    from nblaunch.engines import logs
 
     monkeypatch.setenv("NBLAUNCH_LOG_DIR", str(tmp_path))
     for i in range(logs.KEEP + 5):

@@ -1,7 +1,10 @@
-"""The layout rules of issue 36, checked on the source without a process:
-no import circle, no module too long to read in one sitting, no private
+"""The layout rules (issues 36 and 50), checked on the source without a
+process: a top level of doors, rooms that import each other one way only
+and no module circle (every import counted: at module level, in functions,
+under TYPE_CHECKING), no module too long to read in one sitting, no private
 name used from another module, each engine's module short enough to copy
-from, and a session and call watch that never name an engine."""
+from, a session and call watch that never name an engine, and the kernel's
+and agents' messages declared in ``wire/``."""
 from __future__ import annotations
 
 import ast
@@ -15,9 +18,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 MAX_MODULE_LINES = 500
 MAX_ENGINE_LINES = 320
+MAX_TOP_LEVEL_MODULES = 12
 ENGINE_MODULES = ["local", "elastic", "agents", "slurm", "ray"]
 ENGINE_NAMES = {"LocalEngine", "ElasticEngine", "AgentEngine", "SlurmEngine", "RayEngine", "LocalPool",
                 "ElasticPool", "AgentPool", "SingleNode", "NodeGroup", "spans_nodes"}
+# The rooms, lowest first, as docs/design.md draws them: a module imports
+# only from its own room and the rooms before it. The top level's modules
+# are rooms of one (the errors, the config, the session...); the doors
+# (the public calls and the package itself) stand last.
+ROOMS = ["system", "wire", "rank", "errors", "clusters", "outcome", "config", "engines", "view", "watch",
+         "session", "background", "doors"]
+DOORS = {"launcher", "live", "magic", "demo", "nblaunch"}
 
 
 def _modules() -> dict[str, tuple[Path, ast.Module]]:
@@ -38,16 +49,23 @@ def _package(name: str) -> str:
 
 
 def _imports(name: str):
-    """(imported module, names, node) of each runtime import (not under TYPE_CHECKING)."""
+    """(imported module, names, node) of every import of the package's own
+    modules, wherever it stands (module level, a function, TYPE_CHECKING)."""
     _, tree = MODULES[name]
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
     for node in ast.walk(tree):
-        if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or not node.level:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "nblaunch":
+                    yield alias.name, [], node
             continue
-        base = _package(name).split(".")
-        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
-        yield ".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names], node
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = _package(name).split(".")
+            base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+            yield ".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names], node
+        elif node.module and node.module.split(".")[0] == "nblaunch":
+            yield node.module, [a.name for a in node.names], node
 
 
 def _edges(name: str) -> set[str]:
@@ -56,6 +74,32 @@ def _edges(name: str) -> set[str]:
         out |= {m for m in [target] + [f"{target}.{n}" for n in names] if m in MODULES and m != name}
     # Importing a module imports its package first; those edges are Python's, not a design's.
     return {m for m in out if MODULES[m][0].name != "__init__.py"}
+
+
+def _room(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) == 1 or parts[1] in DOORS:
+        return "doors"
+    return parts[1]
+
+
+def test_the_top_level_holds_at_most_12_modules_and_every_room_is_drawn():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) + 1 <= MAX_TOP_LEVEL_MODULES, top
+    rooms = {_room(m) for m in MODULES}
+    assert rooms <= set(ROOMS), rooms - set(ROOMS)
+
+
+def test_rooms_import_one_way():
+    """Counted at the room: ``rank`` never imports ``engines``, ``config``
+    never an engine, the watch never the session, and so on."""
+    upward = []
+    for name in MODULES:
+        mine = ROOMS.index(_room(name))
+        for target in _edges(name):
+            if ROOMS.index(_room(target)) > mine:
+                upward.append(f"{name} -> {target}")
+    assert sorted(upward) == []
 
 
 def test_no_import_circle():
@@ -109,7 +153,8 @@ def test_no_private_name_from_another_module():
     assert used == []
 
 
-@pytest.mark.parametrize("name", ["nblaunch.session", "nblaunch.watch"])
+@pytest.mark.parametrize("name", ["nblaunch.session", "nblaunch.watch.call", "nblaunch.watch.live",
+                                  "nblaunch.watch.launch"])
 def test_the_session_and_the_call_watch_never_name_an_engine(name):
     _, tree = MODULES[name]
     named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

@@ -13,7 +13,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from nblaunch import log, notebook_launcher, progress
+from nblaunch import log, notebook_launcher
+from nblaunch.rank import progress
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,7 +209,7 @@ def test_a_rank_is_flagged_when_the_machine_runs_low_on_memory(monkeypatch):
     import subprocess
     from collections import namedtuple
 
-    from nblaunch import resources
+    from nblaunch.system import resources
 
     big = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(200 << 20); time.sleep(30)"])
     small = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -278,7 +279,7 @@ def test_a_row_says_what_its_rank_does_before_its_first_step(monkeypatch):
 
 
 def test_the_final_view_keeps_peak_memory_and_the_last_lines_of_output():
-    from nblaunch.resources import Usage
+    from nblaunch.system.resources import Usage
     from nblaunch.view import WidgetDisplay
 
     view = WidgetDisplay(show=False)

@@ -11,7 +11,7 @@ import pytest
 
 from nblaunch.wire.channel import Progress
 
-progress = importlib.import_module("nblaunch.progress")  # the module; nblaunch.progress is also the bar class
+progress = importlib.import_module("nblaunch.rank.progress")
 
 
 class FakeSender:

@@ -271,7 +271,7 @@ def test_a_signal_the_kernel_handles_in_c_is_left_to_it():
     is not taken over (signal.getsignal does not see it) nor lost."""
     import faulthandler
 
-    from nblaunch.preempt import Catcher
+    from nblaunch.watch.preempt import Catcher
 
     faulthandler.register(signal.SIGUSR1)
     try:

@@ -214,7 +214,7 @@ def test_a_ranks_tree_is_read_from_proc_and_signalled_whole():
     import subprocess
 
     from nblaunch.engines.procs import signal_trees
-    from nblaunch.resources import tree_of
+    from nblaunch.system.resources import tree_of
 
     # A parent that outlives its children (bash's `wait` would return, and
     # bash exit 0, if its children's SIGKILL landed before its own).

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from nblaunch.engines import pidfds
+from nblaunch.system import pidfds
 from nblaunch.engines.pool import Message
-from nblaunch.watch import NAME_AT_ONCE_ABOVE, CallWatch
+from nblaunch.watch.call import NAME_AT_ONCE_ABOVE, CallWatch
 from nblaunch.wire.channel import Failure
 
 needs_pidfd = pytest.mark.skipif(not hasattr(__import__("os"), "pidfd_open"), reason="no pidfds here")

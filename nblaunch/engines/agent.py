@@ -135,7 +135,7 @@ class _Agent:
     def _plan(self, setup: dict) -> tuple:
         from ..wire import modules
         from .plan import plan_ranks
-        from ..resources import Sampler, gpu_devices
+        from ..system.resources import Sampler, gpu_devices
 
         config = setup["config"]
         # Before the plan: it records the environment the ranks get (PYTHONPATH included).
@@ -262,7 +262,7 @@ def main(argv: Optional[list] = None) -> int:
     # start takes 0.25-0.45 s less CPU, on every node's way to its first step.
     gc.disable()
     from ..wire import link
-    from .nodes import route_address
+    from ..system.network import route_address
 
     secret = bytes.fromhex(os.environ.pop(link.SECRET_ENV, ""))
     address = os.environ.pop(link.ADDRESS_ENV, "")

@@ -26,8 +26,9 @@ from typing import Any, Callable, Optional
 from ..wire import link
 from ..wire.channel import RELEASE, Started
 from ..errors import LaunchError
-from ..logs import new_launch_dir, release_launch_dir
-from .nodes import Placement, host_store, route_address
+from .logs import new_launch_dir, release_launch_dir
+from .nodes import Placement, host_store
+from ..system.network import route_address
 from ..wire.modules import local_sources
 from .plan import resolve_backend
 from .pool import TEARDOWN_WAIT_S, Exited, Lines, Lost, Message, RankFacts, RankPool

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from .agent_pool import AgentPool
 from .base import Engine
-from .plan import pg_timeout_for
+from ..rank.env import pg_timeout_for
 from ..wire.payload import PackedJob
 
 __all__ = ["AgentEngine", "AgentStep"]

@@ -30,8 +30,8 @@ import signal
 import sys
 import time
 
-from .. import procid
-from ..linux import PR_SET_PDEATHSIG as _PR_SET_PDEATHSIG
+from ..system import procid
+from ..system.linux import PR_SET_PDEATHSIG as _PR_SET_PDEATHSIG
 from .plan import FORKSERVER_STARTER_ENV  # importing nblaunch has imported plan already
 
 

@@ -16,19 +16,21 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from .. import linux
+from ..system import linux
 from ..errors import LaunchError
-from ..logs import new_launch_dir, release_launch_dir
+from .logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
-from ..rank.worker import WorkerSpec, run_worker
+from ..rank.spec import WorkerSpec
+from ..rank.worker import run_worker
 from ..wire.channel import EventReader, Interrupt, Started
 from .nodes import Nodes, Placement
 from .output import RankOutput
 from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
-from .pidfds import open_pidfd, wait as wait_pidfds
-from .procs import Starter, in_helper_thread, is_running, signal_trees, write_atomically
+from ..system.pidfds import open_pidfd, wait as wait_pidfds
+from .procs import Starter, in_helper_thread, is_running, signal_trees
+from ..system.files import write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]

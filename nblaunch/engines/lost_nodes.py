@@ -22,32 +22,20 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import threading
 import time
 from typing import Optional
 
+from ..config import lost_after
 from ..errors import RankFailure
 from .nodes import CLOSE_WAIT_S, NodeGroup, Placement
 
-__all__ = ["WatchedNodes", "Heartbeats", "lost_after", "NODE_LOST", "STORE_LOST", "LOST_AFTER_S"]
+__all__ = ["WatchedNodes", "Heartbeats", "NODE_LOST", "STORE_LOST"]
 
-LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
 NODE_LOST = "NodeLost"  # a lost node's failure (its exc_type): the survivors may go on without it
 STORE_LOST = "StoreLost"  # the node hosting rdzv_endpoint's store was lost: no one can go on
 _POLL_S = 0.1  # causes' look at the store
 _DONE = 1 << 40  # added to a node's counter once its part of the attempt is over
-
-
-def lost_after() -> float:
-    """``NBLAUNCH_NODE_LOST_AFTER``: seconds without a heartbeat after which a node is lost."""
-    text = os.environ.get("NBLAUNCH_NODE_LOST_AFTER", "").strip()
-    if not text:
-        return LOST_AFTER_S
-    value = float(text) if text.replace(".", "", 1).isdigit() else -1.0
-    if not 0.5 <= value < 1e6:
-        raise ValueError(f"NBLAUNCH_NODE_LOST_AFTER must be a number of seconds >= 0.5, got {text!r}")
-    return value
 
 
 class Heartbeats:

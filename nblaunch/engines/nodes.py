@@ -27,7 +27,7 @@ from typing import Optional, Protocol
 
 from ..errors import LaunchError, RankFailure, from_record, to_record
 
-__all__ = ["Placement", "SingleNode", "NodeGroup", "host_store", "route_address"]
+__all__ = ["Placement", "SingleNode", "NodeGroup", "host_store"]
 
 _POLL_S = 0.25
 _SLICE_S = 0.05  # how often a join's waits look whether the launch was closed
@@ -76,16 +76,6 @@ def host_store(addr: str, world_size: int, timeout_s: float):
                           timeout=datetime.timedelta(seconds=timeout_s),
                           master_listen_fd=sock.detach())
     return store, port
-
-
-def route_address(host: str, port: int) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is
-    sent: a UDP socket's connect only picks the route)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)
-        return sock.getsockname()[0]
 
 
 class Nodes(Protocol):

@@ -8,22 +8,19 @@ import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from .. import procid
+from ..system import procid
 from ..rank import env as rank_env
+from ..rank.env import pg_timeout_for
 
-if TYPE_CHECKING:  # the config reaches a plan whole; importing it here would close a circle
-    from ..config import LaunchConfig
+from ..config import LaunchConfig
 
-__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "pg_timeout_for",
-           "share_env", "CPUS_ENV", "SHARED_NOTICE", "SHARED_WHY", "starting_ranks"]
+__all__ = ["RankPlan", "plan_ranks", "choose_start_method", "default_threads", "resolve_backend", "share_env", "CPUS_ENV", "SHARED_NOTICE", "SHARED_WHY", "starting_ranks"]
 
 #: ``"<pid>:<start time>"`` of the process that starts the forkserver, for
 #: :mod:`nblaunch.engines.forkserver_guard` to know its kernel by.
 FORKSERVER_STARTER_ENV = "NBLAUNCH_FORKSERVER_STARTER"
-DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
-MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
 
 
 @dataclass
@@ -38,17 +35,6 @@ class RankPlan:
     @property
     def forked(self) -> bool:
         return self.method == "fork"
-
-
-def pg_timeout_for(timeout: Optional[float]) -> float:
-    """Collectives give up a little after a launch (or call) would: its
-    timeout then fires first and shows where every rank is, instead of
-    gloo's error. Never sooner than torch's own default, though: the
-    kernel's timeout stands still while a rank is paused in its debugger
-    (:mod:`nblaunch.debug_desk`), and its peers' collectives cannot be told."""
-    if timeout is None:
-        return DEFAULT_PG_TIMEOUT_S
-    return min(max(float(timeout) + max(10.0, 0.1 * float(timeout)), DEFAULT_PG_TIMEOUT_S), MAX_PG_TIMEOUT_S)
 
 
 def plan_ranks(config: LaunchConfig, live: bool = False, shared: bool = False) -> RankPlan:

@@ -2,7 +2,7 @@
 
 A pool starts its ranks, reads what they send (events, output, their exit),
 signals them and closes them. It knows nothing of calls, results or the
-view: :class:`~nblaunch.watch.CallWatch` reads :meth:`RankPool.poll` and
+view: :class:`~nblaunch.watch.call.CallWatch` reads :meth:`RankPool.poll` and
 decides. Each engine makes its own kind (:class:`~nblaunch.engines.local_pool.LocalPool`:
 ranks on this machine; :class:`~nblaunch.engines.agent_pool.AgentPool`:
 ranks on a cluster's nodes through their agents).
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ..resources import gpu_devices
+from ..system.resources import gpu_devices
 from ..wire.channel import Event, Interrupt
 from .nodes import Placement
 

@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from ..resources import tree_of
-from . import pidfds
+from ..system.resources import tree_of
+from ..system import pidfds
 
-__all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "signal_trees", "write_atomically", "is_running"]
+__all__ = ["Starter", "InterruptsDeferred", "in_helper_thread", "signal_tree", "signal_trees", "is_running"]
 
 
 class InterruptsDeferred:
@@ -167,13 +167,6 @@ def signal_trees(ranks: list[tuple], sig: int) -> None:
             os.kill(target.pid, sig)  # named a moment ago by psutil: the same process
         except OSError:
             pass
-
-
-def write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def is_running(pid: int) -> bool:

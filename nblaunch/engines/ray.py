@@ -17,17 +17,17 @@ SLURM. What Ray does differently, and what is done about it:
   ranks) with it; ``close()`` kills them and removes the placement group.
 * A node being drained (Ray's autoscaler before a spot node is reclaimed,
   ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) is a preemption
-  notice to every rank, as SLURM's SIGTERM is (:mod:`nblaunch.preempt`).
+  notice to every rank, as SLURM's SIGTERM is (:mod:`nblaunch.watch.preempt`).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 from .agents import AgentEngine, AgentStep
+from ..clusters import Ray
 from ..errors import LaunchError
 
 __all__ = ["Ray", "RayEngine"]
@@ -35,36 +35,6 @@ __all__ = ["Ray", "RayEngine"]
 PLACEMENT_WAIT_S = 120.0
 PLACEMENT_QUIET_S = 1.0  # a placement this quick (the usual case) is not worth a notice
 DRAIN_POLL_S = 1.0  # how often the kernel asks Ray whether one of the launch's nodes is being drained
-
-
-@dataclass(frozen=True)
-class Ray:
-    """``cluster=nblaunch.Ray(...)``: ranks on the nodes of a Ray cluster.
-
-    ``address``: the cluster to connect to when the kernel is not connected
-    yet (``ray.init(address=...)``; None: ``"auto"``). ``nodes``: how many
-    of its alive nodes (default all). ``resources_per_rank``: what each rank
-    reserves on its node (default ``{"CPU": 1}``; ``{"CPU": 4, "GPU": 1}``...).
-    """
-
-    address: Optional[str] = None
-    nodes: Optional[int] = None
-    resources_per_rank: Mapping = field(default_factory=lambda: {"CPU": 1})
-
-    def __post_init__(self):
-        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
-                                       or self.nodes < 1):
-            raise ValueError(f"Ray(nodes=...) must be a positive int or None, got {self.nodes!r}")
-        if self.address is not None and (not isinstance(self.address, str) or not self.address):
-            raise TypeError(f"Ray(address=...) must be a non-empty string or None, got {self.address!r}")
-        res = self.resources_per_rank
-        if not isinstance(res, Mapping) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
-                                                   for k, v in res.items()):
-            raise TypeError(f"Ray(resources_per_rank=...) must map resource names to amounts, got {res!r}")
-        object.__setattr__(self, "resources_per_rank", dict(res))
-
-    def __hash__(self):
-        return hash((self.address, self.nodes, tuple(sorted(self.resources_per_rank.items()))))
 
 
 def _ray():

@@ -18,51 +18,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from .agents import AgentEngine, AgentStep
+from ..clusters import Slurm
 from ..errors import LaunchError
 
 __all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
 
 SCONTROL_TIMEOUT_S = 30.0
 PENDING_POLL_S = 1.0
-
-
-@dataclass(frozen=True)
-class Slurm:
-    """``cluster=nblaunch.Slurm(...)``: ranks on the nodes of a SLURM allocation.
-
-    In a kernel that runs inside an allocation (``$SLURM_JOB_ID`` is set, or
-    ``job`` names one), its nodes are used: every node, or the first
-    ``nodes`` of them. Outside one, ``nodes`` is required and SLURM is asked
-    for an allocation (``salloc --no-shell -N nodes``, with ``partition``,
-    ``time`` and ``extra_args``); the view shows it while it is pending, and
-    it is given back when the launch (or the live ranks) end. ``srun_args``
-    are added to the ``srun`` that starts the agents (``--gres=gpu:4``...).
-    """
-
-    nodes: Optional[int] = None
-    partition: Optional[str] = None
-    time: Optional[str] = None
-    extra_args: Sequence[str] = ()
-    job: Optional[str] = None
-    srun_args: Sequence[str] = ()
-
-    def __post_init__(self):
-        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
-                                       or self.nodes < 1):
-            raise ValueError(f"Slurm(nodes=...) must be a positive int or None, got {self.nodes!r}")
-        for name in ("partition", "time", "job"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"Slurm({name}=...) must be a non-empty string or None, got {value!r}")
-        for name in ("extra_args", "srun_args"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(a, str) for a in value):
-                raise TypeError(f"Slurm({name}=...) must be a list of strings, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
 
 
 def _slurm_command(name: str) -> str:

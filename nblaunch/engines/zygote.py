@@ -33,7 +33,7 @@ from multiprocessing import util
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
-from .. import linux
+from ..system import linux
 from ..rank import setup as rank_setup, worker
 
 __all__ = ["Zygote", "ZygoteRank", "usable"]

@@ -25,7 +25,7 @@ The contract, for every start method:
 * ``multiprocessing``'s default start method is the platform's own (fork on
   Linux before Python 3.14), so DataLoader workers behave as under torchrun;
 * libraries that decided "interactive" or "notebook" at import time in the
-  kernel get the rank's answer (:mod:`nblaunch.integrations`, each shim
+  kernel get the rank's answer (:mod:`nblaunch.rank.integrations`, each shim
   named and tested);
 * thread pools the kernel made (``torch.compile``'s compile pool) work in a
   forked rank, which inherits them without their threads.
@@ -40,9 +40,12 @@ import sys
 import threading
 from typing import Optional
 
-from .. import integrations
+from . import integrations
 
-__all__ = ["become_rank", "kernel_logging", "rank_environ"]
+__all__ = ["become_rank", "kernel_logging", "rank_environ", "pg_timeout_for"]
+
+DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's own default for gloo
+MAX_PG_TIMEOUT_S = 30 * 86400.0  # torch's socket deadlines overflow far beyond this (found by hypothesis)
 
 # Set by ipykernel (zmqshell.init_environment, kernelapp) for its front end
 # only: with them a rank's libraries colour text for a terminal that is not
@@ -260,3 +263,14 @@ def _recreate_logging(setup: tuple) -> None:
         h.setLevel(h_level)
         h.setFormatter(logging.Formatter(fmt, datefmt, style))
         root.addHandler(h)
+
+
+def pg_timeout_for(timeout: Optional[float]) -> float:
+    """Collectives give up a little after a launch (or call) would: its
+    timeout then fires first and shows where every rank is, instead of
+    gloo's error. Never sooner than torch's own default, though: the
+    kernel's timeout stands still while a rank is paused in its debugger
+    (:mod:`nblaunch.watch.debug_desk`), and its peers' collectives cannot be told."""
+    if timeout is None:
+        return DEFAULT_PG_TIMEOUT_S
+    return min(max(float(timeout) + max(10.0, 0.1 * float(timeout)), DEFAULT_PG_TIMEOUT_S), MAX_PG_TIMEOUT_S)

@@ -9,7 +9,7 @@ import functools
 import sys
 from typing import Optional
 
-from ..progress import stop_at_a_step
+from .progress import stop_at_a_step
 from . import setup as rank_setup
 
 __all__ = ["CallInterrupt", "StepAgreement", "group_seq"]
@@ -38,7 +38,7 @@ class CallInterrupt:
 
     def asked(self) -> Optional[str]:
         """How the kernel asked this call to stop: ``"now"``, ``"at a step"``
-        (the stop button: see :func:`nblaunch.progress.stop_at_a_step`), or
+        (the stop button: see :func:`nblaunch.rank.progress.stop_at_a_step`), or
         None when it asked for another call (or not at all)."""
         if self._call is None or not self._path:
             return None

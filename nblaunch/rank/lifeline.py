@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Callable, Optional
 
-from .. import linux
+from ..system import linux
 from . import term
 
 __all__ = ["default_stop_signals", "watch_parent", "lead_own_group", "end_children"]

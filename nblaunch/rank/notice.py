@@ -6,14 +6,53 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["NOTICE_FILE", "write_notice"]
+from ..system.files import write_atomically
+from .spec import current_spec
+
+__all__ = ["NOTICE_FILE", "write_notice", "preempted"]
 
 NOTICE_FILE = "preempted"
 
 
 def write_notice(folder: str, text: str) -> None:
     """The notice, for the ranks whose files are in ``folder``."""
-    tmp = os.path.join(folder, f".{NOTICE_FILE}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(folder, NOTICE_FILE))
+    write_atomically(os.path.join(folder, NOTICE_FILE), text)
+
+
+_seen = False
+
+
+def preempted(agree: bool = False) -> bool:
+    """In a rank: True once the job was told to end (SLURM's SIGTERM or
+    SIGUSR1 to the kernel, a node's agent or a rank, a Ray node being
+    drained: see the module doc); the rank then has the launch's
+    ``preempt_grace`` seconds to save and return. False outside a rank.
+
+    ``agree=True`` makes it a collective on the default process group (every
+    rank must call it at the same point, as with any collective): True on
+    every rank if the notice reached any, so that all save at the same step.
+    The notice reaches every rank within a few milliseconds, but a rank
+    between two checks may see it one step later than another."""
+    global _seen
+    if not _seen:
+        _seen = _notice_here()
+    if not agree:
+        return _seen
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _seen
+    flag = torch.tensor([1.0 if _seen else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _seen = bool(flag.item())
+    return _seen
+
+
+def _notice_here() -> bool:
+    spec = current_spec()
+    if spec is None or not spec.stack_file:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))

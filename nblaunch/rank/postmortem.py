@@ -7,7 +7,7 @@ function, module), the source around it, and its locals' values. A value
 travels pickled (cloudpickle: classes and functions from the notebook too)
 when it fits :data:`VALUE_BYTES`, the whole within :data:`TOTAL_BYTES`;
 else as its ``repr``, cut short (:class:`Unshown`). Tensors travel as CPU
-copies. The kernel rebuilds real frames from it (:mod:`nblaunch.postmortem`).
+copies. The kernel rebuilds real frames from it (:mod:`nblaunch.watch.postmortem`).
 """
 from __future__ import annotations
 

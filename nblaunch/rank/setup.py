@@ -12,14 +12,12 @@ import os
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
-from ..progress import torch_imported
+from .progress import torch_imported
 from ..wire.channel import EventSender, Phase
 from . import debugger, env as rank_env, lifeline
-
-if TYPE_CHECKING:
-    from .worker import WorkerSpec
+from .spec import WorkerSpec
 
 __all__ = ["prepare_for_ranks", "prepared", "prepared_output", "become_rank", "point_fds", "torchrun_env",
            "slurm_env", "setup_torch", "ranks_store", "wait_for_peers_joined"]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import linux
+from ..system import linux
 from .frames import cell_of, is_machinery
 
 __all__ = ["register", "collect", "collectives", "format_stacks"]

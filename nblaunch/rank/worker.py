@@ -16,59 +16,20 @@ import pickle
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .. import linux
-from ..progress import begin_rank, finish_call, new_call, start_if_gpu
+from ..system import linux
+from .progress import begin_rank, finish_call, new_call, start_if_gpu
 from ..wire.channel import CLOSE, RELEASE, Answer, Call, EventSender, Phase, Preempting, Result, Started
 from . import debugger, lifeline, setup as rank_setup, stacks, term
 from .interrupts import CallInterrupt, group_seq
 from .results import check_size, dump_result, report
+from .spec import WorkerSpec, current_spec, set_current
 
-__all__ = ["WorkerSpec", "run_worker", "current_spec"]
+__all__ = ["WorkerSpec", "run_worker", "current_spec"]  # the spec's names, from .spec, as before
 
 _LINGER_AFTER_FAILURE_S = 2.0
-
-_current: Optional["WorkerSpec"] = None
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a rank needs to know about its place in the launch."""
-
-    rank: int  # global; until the go message, the local rank
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    master_addr: str
-    kernel_pid: int
-    backend: Optional[str]  # None: fn initialises the process group itself
-    threads: int
-    pg_timeout_s: float
-    env: dict = field(default_factory=dict)  # extra variables for this rank
-    master_port: int = 0  # set by the go message
-    stack_file: str = ""  # where faulthandler dumps this rank's stacks on SIGUSR1
-    group_rank: int = 0  # this node's rank
-    num_nodes: int = 1
-    restart_count: int = 0
-    max_restarts: int = 0
-    run_id: str = "none"
-    # What the rank recreates of the kernel (see rank_env): its environment
-    # at launch time (None: this process's own) and its root logging set-up.
-    environ: Optional[dict] = None
-    logging_setup: tuple = ()
-    live: bool = False  # a live session's rank: serves calls until told to close
-    forked: bool = False  # started by fork: it inherited the kernel's memory (and the job)
-    kernel_facts: Optional[dict] = None  # rank_env.kernel_facts(), looked up in the kernel before a fork
-    interrupt_file: str = ""  # a live rank: which call the kernel's SIGINT is for
-
-
-def current_spec() -> Optional[WorkerSpec]:
-    """The spec of the rank this code runs in, or None outside a launch."""
-    return _current
-
 
 def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
                output: Connection, parent: Optional[int] = None) -> None:
@@ -83,7 +44,6 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     name the rank by its local rank: the kernel knows the rest. ``parent``:
     the process that started this one, when it may already be gone (a rank
     forked by :mod:`nblaunch.engines.zygote`)."""
-    global _current
     # What the rank inherited or imported is never collected in it: a full
     # collection visits (writes to) every object, so a forked rank would copy
     # the kernel's whole heap, 44 MiB and 0.1 s for 400,000 of the notebook's
@@ -113,7 +73,7 @@ def run_worker(spec: WorkerSpec, job: Any, go: Connection, events: Connection,
     try:
         lifeline.lead_own_group()
         spec = dataclasses.replace(spec, **go.recv())  # go stays open for RELEASE and calls
-        _current = spec
+        set_current(spec)
         os.environ.update(rank_setup.torchrun_env(spec))
         os.environ.update(rank_setup.slurm_env(spec, os.environ))
         os.environ.update(spec.env)
@@ -250,7 +210,7 @@ def _call_timeout(spec: WorkerSpec, timeout: Optional[float]) -> None:
     try:
         import torch.distributed as dist
 
-        from ..engines.plan import pg_timeout_for
+        from .env import pg_timeout_for
 
         if dist.is_initialized():
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=pg_timeout_for(timeout)))
@@ -268,8 +228,8 @@ def _destroy_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        if _current is not None:
-            rank_setup.wait_for_peers_joined(_current)
+        if current_spec() is not None:
+            rank_setup.wait_for_peers_joined(current_spec())
         dist.destroy_process_group()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .errors import WorkerError
+from ..errors import WorkerError
 
 __all__ = ["History", "may_restart"]
 

@@ -1,6 +1,6 @@
 """A launch's call watch for a long run: the steps its ranks reached (for
-the restart lines, :mod:`nblaunch.restarts`) and preemption
-(:mod:`nblaunch.preempt`): a notice of the job's end is passed to every
+the restart lines, :mod:`nblaunch.watch.restarts`) and preemption
+(:mod:`nblaunch.watch.preempt`): a notice of the job's end is passed to every
 rank once, the ranks have the grace to save and return, and those still in
 the call after it are stopped, the verdict then being ``Preempted``."""
 from __future__ import annotations
@@ -9,18 +9,18 @@ import signal
 import time
 from typing import Optional
 
-from .errors import WorkerError
-from .wire.channel import Preempting, Progress
+from ..errors import WorkerError
+from ..wire.channel import Preempting, Progress
 from .preempt import Catcher, Grace
-from .watch import CallWatch
+from .call import CallWatch
 
 __all__ = ["LaunchWatch"]
 
 
 class LaunchWatch(CallWatch):
-    """:class:`~nblaunch.watch.CallWatch` with ``steps`` (global rank -> the
+    """:class:`~nblaunch.watch.call.CallWatch` with ``steps`` (global rank -> the
     step its progress bar last showed) and ``preemption`` (a
-    :class:`~nblaunch.preempt.Catcher`, None: nothing is caught)."""
+    :class:`~nblaunch.watch.preempt.Catcher`, None: nothing is caught)."""
 
     def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None, **options):
         super().__init__(pool, view, call, **options)

@@ -1,14 +1,11 @@
 """rich in a rank: the tasks of a ``rich.progress.Progress`` become the rank's rows."""
 from __future__ import annotations
 
-import importlib
 import sys
 import weakref
 from typing import Optional
 
-# The module (whose reporter() is asked at each call), not the package's
-# ``nblaunch.progress``, which is the bar class.
-progress = importlib.import_module("..progress", __package__)
+from .. import progress  # the module: its reporter() is asked at each call
 
 __all__ = ["mirror"]
 

@@ -1,4 +1,4 @@
-"""Background runs: ``nblaunch.submit`` (:mod:`nblaunch.background`) returns a :class:`Run` at once.
+"""Background runs: ``nblaunch.submit`` (:mod:`nblaunch.background.submit`) returns a :class:`Run` at once.
 
     run = nblaunch.submit(train, args=(cfg,), num_processes=4)   # the cell returns
     run.done(), run.status                                         # meanwhile, in other cells
@@ -15,16 +15,16 @@ other threads hold what locks they please at any instant.
 
 The run's thread never receives the kernel's interrupt (Python delivers
 signals to the main thread only), so interrupting a cell leaves every run
-alone. ``run.stop()`` asks the run's view to stop the watch at its next
-tick (within 0.1 s); the watch then does what it does on an interrupt
-(stacks, SIGTERM, SIGKILL, the tree-wide clean-up) and the run ends
-``stopped``.
+alone. ``run.stop()`` sets the run's stop event, which its session's call
+watch asks each tick (``Session.stop_requested``, within 0.1 s); the watch
+then does what it does on an interrupt (stacks, SIGTERM, SIGKILL, the
+tree-wide clean-up), raises ``RunStopped``, and the run ends ``stopped``.
 
 The view is shown where ``submit`` was called, drawn into a display made
 there (:class:`~nblaunch.view.WidgetDisplay`'s ``handle``) and fed from the
 run's thread, which runs in a copy of the cell's context (ipykernel 7 sends
 what a thread prints to the cell of its context). ``detach=True`` hands the
-run to a supervisor process instead (:mod:`nblaunch.detached`).
+run to a supervisor process instead (:mod:`nblaunch.background.detached`).
 """
 from __future__ import annotations
 
@@ -35,36 +35,25 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from .config import LaunchConfig
-from .errors import LaunchError, LaunchTimeout
-from .session import LaunchResults, Session
-from .view import SHOW_AFTER_S, WidgetDisplay, make_display
-from .view.base import in_kernel
-from .engines import inflight
-from .engines.plan import SHARED_WHY
-from .wire.payload import check_sendable
+from ..config import LaunchConfig
+from ..errors import RunStopped
+from ..outcome import STATUSES, Outcome
+from ..session import LaunchResults, Session
+from ..view import SHOW_AFTER_S, WidgetDisplay, make_display
+from ..view.base import in_kernel
+from ..engines import inflight
+from ..engines.plan import SHARED_WHY
+from ..wire.payload import check_sendable
 
-__all__ = ["Run", "RunStopped", "start_here", "kernel_runs", "new_id", "register", "unregister", "config_shows_widgets",
-           "DONE_STATES"]
-
-DONE_STATES = ("finished", "failed", "stopped", "timed out")
+__all__ = ["Run", "start_here", "kernel_runs", "new_id", "register", "unregister", "config_shows_widgets"]
 _runs: dict = {}  # this kernel's runs, by id, in the order submitted
 _runs_lock = threading.Lock()
 _numbers = itertools.count(1)
 
 
-class RunStopped(LaunchError):
-    """What ``result()`` raises for a run ended by ``run.stop()``."""
-
-
-class _StopRequested(KeyboardInterrupt):
-    """Raised in the run's thread by its view's tick: the watch handles it as an interrupt."""
-
-
 class _RunView:
     """The run's view as the session sees it: the real one (drawn into the
-    run's cell), noting the log folder and raising ``_StopRequested`` at the
-    first tick after ``run.stop()``."""
+    run's cell), noting the log folder and the run's start."""
 
     def __init__(self, run: "Run", inner):
         self._run, self._inner = run, inner
@@ -80,26 +69,14 @@ class _RunView:
         self._inner.show()
         self._run._set_status("running")  # after: a running run's view is there to show again
 
-    def tick(self, *a, **kw) -> None:
-        if self._run._stop.is_set():
-            raise _StopRequested()
-        self._inner.tick(*a, **kw)
-
-    def notice(self, text: str) -> None:
-        if self._run._stop.is_set() and text.startswith("interrupted;"):  # the watch's word for any stop
-            text = "stopped by run.stop();" + text[len("interrupted;"):]
-        self._inner.notice(text)
-
-    def close(self, outcome: str) -> None:
-        self._inner.close("stopped" if outcome == "interrupted" and self._run._stop.is_set() else outcome)
 
 
 class Run:
     """A launch training in the background (``concurrent.futures.Future``-like).
 
     ``id``: its name in this kernel (``nblaunch.runs()``); ``status``:
-    ``starting``, ``running``, ``finished``, ``failed``, ``stopped`` or
-    ``timed out``; ``log_dir``: the ranks' full output (once started).
+    ``starting``, ``running``, ``finished``, ``failed``, ``stopped``,
+    ``timed out`` or ``preempted``; ``log_dir``: the ranks' full output (once started).
     ``done()``, ``result(timeout=None)`` (the ``LaunchResults``, or raises
     the run's error: ``WorkerError``, ``LaunchTimeout``, :class:`RunStopped`),
     ``exception(timeout=None)``, ``stop()``, ``view()`` (the live view again,
@@ -191,13 +168,16 @@ class Run:
     # -- inside -------------------------------------------------------------------------
 
     def _set_status(self, status: str) -> None:
-        if self._status not in DONE_STATES:
+        if self._status not in STATUSES:
             self._status = status
 
-    def _finish(self, status: str, results=None, error: Optional[BaseException] = None) -> None:
-        self._results, self._error = results, error
+    def _finish(self, outcome: Outcome) -> None:
+        error = outcome.error
+        if isinstance(error, RunStopped):
+            error = error.named(self.id)
+        self._results, self._error = outcome.results, error
         with _runs_lock:
-            self._status = status
+            self._status = outcome.status
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
@@ -210,29 +190,19 @@ class Run:
         """The run's thread: the launch, its verdict kept for ``result``.
         ``release`` (once the ranks are gone, before the verdict is out):
         the run is no longer in flight."""
-        status, results, error = "failed", None, None
         try:
             if self._stop.is_set():
-                raise _StopRequested()
-            results = session.launch(fn, args, kwargs)
-            status = "finished"
-        except _StopRequested as exc:
-            # The watch's interrupt report: where each rank was when stopped.
-            where = getattr(exc, "_render_traceback_", lambda: [])()[1:2]
-            status, error = "stopped", RunStopped(
-                f"run {self.id} was stopped (run.stop()); every rank was stopped"
-                + ("; where each rank was (innermost frame first):\n" + where[0] if where else "")
-                + f"\nFull output: {self.log_dir}")
-        except LaunchTimeout as exc:
-            status, error = "timed out", exc
+                raise RunStopped(self.id, log_dir=self.log_dir)
+            session.stop_requested = self._stop.is_set
+            outcome = Outcome.finished(session.launch(fn, args, kwargs))
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()
-            error = exc
+            outcome = Outcome.of(exc)
         finally:
             try:
                 session.engine.close()  # safe twice: the launch closed it, unless stopped before it began
             finally:
                 release()
-        self._finish(status, results=results, error=error)
+        self._finish(outcome)
 
 
 def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) -> Run:
@@ -254,7 +224,7 @@ def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) 
             session = Session(config, live=False)
         except BaseException as exc:  # noqa: BLE001 - the run's verdict, raised by result()
             leave()
-            run._finish("failed", error=exc)
+            run._finish(Outcome.of(exc))
             return
         session.make_view = make_view
         run._watch(session, fn, args, kwargs, release=leave)

@@ -11,7 +11,7 @@ timeout, the user's interrupt and the verdict: the results, or one
 What differs between a launch and live ranks is what becomes of the ranks.
 A launch's ranks end with its only call (:class:`CallWatch`): when one
 fails, the others are stopped (SIGTERM, SIGKILL after ``STOP_GRACE_S``).
-Live ranks outlive the call (:class:`~nblaunch.live_watch.LiveCallWatch`,
+Live ranks outlive the call (:class:`~nblaunch.watch.live.LiveCallWatch`,
 which overrides the steps named for it here): the others' calls are
 interrupted instead, and the ranks are only given up when they can no
 longer be trusted.
@@ -24,17 +24,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from . import errors
-from .wire.channel import RELEASE, Failure, GpuMemory, Metrics, Paused, Phase, Progress, Prompt, Result, Started, Stopping
-from .errors import (Departure, LaunchTimeout, RankFailure, WorkerError, blame_departures,
-                     render_interrupt)
-from .engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
+from .. import errors
+from ..wire.channel import (RELEASE, Failure, GpuMemory, Metrics, Paused, Phase, Progress, Prompt, Result, Started,
+    Stopping)
+from ..errors import (Departure, LaunchTimeout, RankFailure, RunStopped, WorkerError, blame_departures,
+                      render_interrupt)
+from ..engines.pool import Exited, Lines, Lost, Message, RankPool, Rewriting
 from .debug_desk import DebugDesk
 from .postmortem import with_rank_frames
-from .resources import Sampler
+from ..system.resources import Sampler
 from .rules import LeftEarly, Stalls
 from .stop_button import StopButton
-from .rank.results import max_result_bytes
+from ..rank.results import max_result_bytes
 
 __all__ = ["CallWatch", "Stalls"]
 
@@ -87,8 +88,10 @@ class CallWatch:
     any, has other nodes is the pool's business."""
 
     def __init__(self, pool: RankPool, view, call: int, *, timeout: Optional[float] = None,
-                 stall_warning: Optional[float] = None, job_size: int = 0, name: str = ""):
+                 stall_warning: Optional[float] = None, job_size: int = 0, name: str = "",
+                 stop_requested: Optional[Callable[[], bool]] = None):
         self._pool = pool
+        self._stop_requested = stop_requested or (lambda: False)  # the owner's stop (run.stop()), asked each tick
         self._view = view
         self.call = call
         self.name = name or f"call {call}"  # what the user calls it (live ranks count only their runs)
@@ -118,6 +121,8 @@ class CallWatch:
                 self._view.show()
                 while not self._over():
                     stop.check()
+                    if self._stop_requested():
+                        self._stopped_by_owner()
                     self._pass()
                     if (self._timeout is not None and time.monotonic() - t0 - self._desk.held() > self._timeout
                             and not self.broken and not self._desk.paused):
@@ -125,7 +130,7 @@ class CallWatch:
         except KeyboardInterrupt as exc:
             self._interrupted_by_user(exc)
             raise
-        except LaunchTimeout:
+        except (LaunchTimeout, RunStopped):
             raise
         except BaseException:
             self._give_up("stopped on an error in its launcher")
@@ -147,8 +152,7 @@ class CallWatch:
         return [r for r, p in enumerate(self._parts) if not p.done and not self._pool.exited(r)]
 
     def _call_over(self) -> bool:
-        """Every rank has returned, failed or ended; whatever a held
-        consequence waits for (its cause) is then already in."""
+        """Every rank has returned, failed or ended (a held consequence's cause is then in)."""
         return not self._in_call()
 
     def _pass(self) -> None:
@@ -237,9 +241,7 @@ class CallWatch:
             self._fail(rank, errors.unreadable_result(self._pool.global_rank(rank), self._pool.node(rank),
                                                       time.time(), exc))
         else:
-            part.departure = Departure(self._pool.global_rank(rank), event.time or time.time(),
-                                       "exited (code 0)" if event.exited else "returned", self._pool.node(rank),
-                                       exitcode=0 if event.exited else None)
+            part.departure = Departure.of_return(self._pool.global_rank(rank), self._pool.node(rank), event.time, event.exited)
             self._view.rank_status(rank, "finished")
         finally:
             self._pool.send(rank, RELEASE)
@@ -334,24 +336,24 @@ class CallWatch:
                                "stopped; where each rank was (innermost frame first):", where,
                                f"Full output: {log_dir}"])
 
+    def _stopped_by_owner(self) -> None:
+        """Every rank's stack, then every rank stopped: the owner asked (``stop_requested``)."""
+        where = self._pool.stacks()
+        self._view.notice("stopped by run.stop(); every rank was stopped (where each rank was: in the error below)")
+        self._give_up("was stopped")
+        raise RunStopped(where=where, log_dir=str(self._pool.log_dir))
+
     def _time_out(self) -> None:
-        """Every rank's stack first, then the ranks are stopped. The ranks'
-        collectives time out later than the call (``plan.pg_timeout_for``),
-        so this comes first."""
+        """Every rank's stack first, then the ranks are stopped (their collectives
+        time out later than the call: ``rank.env.pg_timeout_for``)."""
         where = self._pool.stacks()
         self._give_up(f"timed out after {self._timeout:g} s")
-        self._timed_out(where, "the launch", "The ranks were stopped.")
-
-    def _timed_out(self, where: str, what: str, then: str) -> None:
-        """Raise the timeout: ``what`` did not finish; where each rank was; ``then``: what became of the ranks."""
-        raise LaunchTimeout(f"{what} did not finish within {self._timeout:g} s; where each rank was "
-                            f"(innermost frame first):\n{where}\n{then} Full output: {self._pool.log_dir}",
-                            log_dir=str(self._pool.log_dir))
+        raise errors.timed_out("the launch", self._timeout, where, "The ranks were stopped.", self._pool.log_dir)
 
     # -- ranks that left ------------------------------------------------------
 
     def _check_departures(self, now: float) -> None:
-        """Ranks that returned while their peers still wait for them (:class:`~nblaunch.rules.LeftEarly`)."""
+        """Ranks that returned while their peers still wait for them (:class:`~nblaunch.watch.rules.LeftEarly`)."""
         if self._stop_deadline is not None or self._stop_at is not None:
             return
         gone = [(r, p.departure) for r, p in enumerate(self._parts) if p.departure is not None and p.failure is None]

@@ -1,16 +1,15 @@
 """The public calls of background runs: ``submit`` and ``runs``
-(:mod:`nblaunch.runs`: a run in this kernel; :mod:`nblaunch.detached`: one
+(:mod:`nblaunch.background.in_kernel`: a run in this kernel; :mod:`nblaunch.background.detached`: one
 owned by a supervisor, ``attach``)."""
 from __future__ import annotations
 
 import threading
 from typing import Callable, Optional, Sequence
 
-from .config import LaunchConfig, check_call
+from ..config import LaunchConfig, check_call
 from .detached import detached_runs, start_detached
-from .errors import LaunchError
-from .rank import worker
-from .runs import Run, kernel_runs, new_id, register, start_here
+from ..errors import refuse_inside_a_rank
+from .in_kernel import Run, kernel_runs, new_id, register, start_here
 
 __all__ = ["submit", "runs"]
 
@@ -35,8 +34,7 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, 
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be True or False, got {detach!r}")
     config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
-    if worker.current_spec() is not None:
-        raise LaunchError("nblaunch.submit was called inside a rank; submit runs from the notebook")
+    refuse_inside_a_rank("nblaunch.submit")
     with _submitting:  # two submits at once cannot both take the same free GPUs
         _check_devices_free(config)
         run = (start_detached if detach else start_here)(new_id(), config, fn, args, kwargs)

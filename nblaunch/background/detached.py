@@ -1,6 +1,6 @@
 """Detached runs: ``nblaunch.submit(..., detach=True)`` and ``nblaunch.attach(run_id)``.
 
-A detached run is owned by a supervisor process (:mod:`nblaunch.supervisor`)
+A detached run is owned by a supervisor process (:mod:`nblaunch.background.supervisor`)
 in a session of its own: restarting the kernel, its crash, or Jupyter
 killing the kernel's process group leave it training. Its state is kept on
 disk, in a run folder under :func:`runs_root`; any kernel of this machine
@@ -11,7 +11,7 @@ ranks' logs with it) is kept until ``run.forget()``.
 
 The kernel and the supervisor share nothing but that folder and one
 signal: ``run.stop()`` sends SIGTERM to the supervisor, named by its
-identity (pid and start time, :mod:`nblaunch.procid`: a pid reused by
+identity (pid and start time, :mod:`nblaunch.system.procid`: a pid reused by
 another process is never signalled), and it stops the ranks as an
 interrupt stops a launch.
 """
@@ -22,7 +22,6 @@ import contextvars
 import os
 import pickle
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,14 +30,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import procid
-from .errors import LaunchError, WorkerError
-from .postmortem import with_rank_frames
-from .runs import Run, RunStopped, config_shows_widgets, kernel_runs, register
-from .session import LaunchResults
-from .supervisor import STOP_FILE, write_atomically
-from .view import WidgetDisplay, make_display
-from .wire.payload import CloudJob
+from ..system import procid
+from ..errors import LaunchError, RunStopped, WorkerError
+from ..outcome import Outcome
+from ..watch.postmortem import with_rank_frames
+from .folder import Asked, Ended, RunFolder, Snapshot
+from .in_kernel import Run, config_shows_widgets, kernel_runs, register
+from ..session import LaunchResults
+from ..view import WidgetDisplay, make_display
+from ..wire.payload import CloudJob
 
 __all__ = ["start_detached", "attach", "detached_runs", "runs_root", "FOLLOW_EVERY_S"]
 
@@ -56,18 +56,17 @@ def runs_root() -> Path:
 
 
 class DetachedRun(Run):
-    """A run whose supervisor keeps it on disk; a :class:`~nblaunch.runs.Run`
+    """A run whose supervisor keeps it on disk; a :class:`~nblaunch.background.in_kernel.Run`
     in every respect, read from its folder (``run_dir``)."""
 
     detached = True
 
-    def __init__(self, run_id: str, config, run_dir: Path, proc: Optional[subprocess.Popen] = None):
-        super().__init__(run_id, config)
-        self.run_dir = run_dir
+    def __init__(self, folder: RunFolder, config, proc: Optional[subprocess.Popen] = None):
+        super().__init__(folder.run_id, config)
+        self.folder = folder
+        self.run_dir = folder.path
         self._proc = proc  # the supervisor, where this kernel started it (reaped here)
         self._lock = threading.Lock()
-        self._state_key: tuple = ()
-        self._snapshot: Optional[dict] = None
 
     # -- what is on disk -------------------------------------------------------------
 
@@ -88,7 +87,7 @@ class DetachedRun(Run):
             self._done.wait(FOLLOW_EVERY_S)
         return self._error
 
-    def refresh(self, snapshot: Optional[dict] = None) -> Optional[dict]:
+    def refresh(self, snapshot: Optional[Snapshot] = None) -> Optional[Snapshot]:
         """Read the run's folder: its outcome once it ended, else its state
         (returned). A supervisor gone without an outcome is a failure."""
         with self._lock:
@@ -96,60 +95,44 @@ class DetachedRun(Run):
                 return None
             if self._proc is not None:
                 self._proc.poll()  # reaps it once it left
-            outcome = _load(self.run_dir / "outcome.pkl")
-            if outcome is not None:
-                self._conclude(outcome)
+            ended = self.folder.outcome()
+            if ended is not None:
+                self._conclude(ended)
                 return None
-            snapshot = snapshot or self._state()
+            snapshot = snapshot or self.folder.state()
             if snapshot is not None:
-                self._status = "running" if snapshot["status"] == "running" else self._status
-                self.log_dir = snapshot["state"].log_dir or self.log_dir
-            if not _supervisor_running(self.run_dir) and _load(self.run_dir / "outcome.pkl") is None:
+                self._status = "running" if snapshot.status == "running" else self._status
+                self.log_dir = snapshot.state.log_dir or self.log_dir
+            if not _supervisor_running(self.folder) and self.folder.outcome() is None:
                 if self._stop.is_set():  # stopped before it could say so (SIGTERM while it started)
-                    self._conclude({"status": "stopped"})
+                    self._conclude(Ended("stopped"))
                     return None
-                log = self.run_dir / "supervisor.log"
-                self._finish("failed", error=LaunchError(
+                self._finish(Outcome.of(LaunchError(
                     f"the supervisor of run {self.id} ended without an outcome (killed?); its ranks ended "
-                    f"with it. Its output: {log}; the ranks' output: {self.run_dir / 'logs'}"))
+                    f"with it. Its output: {self.folder.supervisor_log}; the ranks' output: {self.folder.logs}")))
                 return None
             return snapshot
 
-    def _state(self) -> Optional[dict]:
-        """state.pkl, read again only once rewritten (it holds every metric's history)."""
-        try:
-            st = (self.run_dir / "state.pkl").stat()
-        except OSError:
-            return None
-        if (st.st_mtime_ns, st.st_size, st.st_ino) != self._state_key:
-            self._state_key, self._snapshot = (st.st_mtime_ns, st.st_size, st.st_ino), _load(self.run_dir / "state.pkl")
-        return self._snapshot
-
-    def _conclude(self, outcome: dict) -> None:
-        status = outcome["status"]
-        self.log_dir = outcome.get("log_dir") or self.log_dir
-        if status == "finished":
-            self._finish(status, results=LaunchResults(outcome["results"], outcome["log_dir"], outcome["log_files"]))
-        elif status == "stopped":
-            self._finish(status, error=RunStopped(f"run {self.id} was stopped (run.stop()); every rank was "
-                                                  f"stopped. Full output: {self.log_dir}"))
-        else:
-            error = outcome.get("error")
-            if isinstance(error, WorkerError):  # its traceback did not travel: %debug opens the rank's frames
-                error = with_rank_frames(error)
-            self._finish(status, error=error or LaunchError(
-                f"run {self.id} {status}: {outcome.get('error_text', '')}".strip()))
+    def _conclude(self, ended: Ended) -> None:
+        self.log_dir = ended.log_dir or self.log_dir
+        if ended.status == "finished":
+            self._finish(Outcome.finished(LaunchResults(ended.results, ended.log_dir, ended.log_files)))
+            return
+        error = ended.error
+        if isinstance(error, WorkerError):  # its traceback did not travel: %debug opens the rank's frames
+            error = with_rank_frames(error)
+        elif ended.status == "stopped" and not isinstance(error, RunStopped):  # a folder of an earlier nblaunch
+            error = RunStopped(self.id, log_dir=self.log_dir)
+        self._finish(Outcome(ended.status, error=error or LaunchError(
+            f"run {self.id} {ended.status}: {ended.error_text}".strip())))
 
     # -- acting ------------------------------------------------------------------------
 
     def stop(self, timeout: Optional[float] = 30.0) -> None:
         if not self.done():
             self._stop.set()
-            try:
-                (Path(self.run_dir) / STOP_FILE).touch()  # this SIGTERM is a stop, not SLURM's notice
-            except OSError:
-                pass
-            _signal_supervisor(self.run_dir, signal.SIGTERM)
+            self.folder.ask_stop()  # this SIGTERM is a stop, not SLURM's notice
+            _signal_supervisor(self.folder, signal.SIGTERM)
         try:
             self.exception(timeout)
         except TimeoutError:
@@ -159,7 +142,7 @@ class DetachedRun(Run):
         """Stop the run if it still trains, then remove its folder (its state,
         results and the ranks' logs): nothing of it is left."""
         self.stop()
-        ident = _identity(self.run_dir)
+        ident = self.folder.identity()
         deadline = time.monotonic() + 10
         while ident and procid.same_process(ident) and time.monotonic() < deadline:
             if self._proc is not None:
@@ -167,7 +150,7 @@ class DetachedRun(Run):
             time.sleep(0.02)  # the supervisor leaves right after writing its outcome
         if self._proc is not None:
             self._proc.wait(1)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.folder.remove()
         super().forget()
 
     # -- the view -------------------------------------------------------------------------
@@ -197,25 +180,25 @@ class DetachedRun(Run):
                 break
             self._draw(view, snapshot, drawn)
             time.sleep(FOLLOW_EVERY_S)
-        self._draw(view, self._state(), drawn)
+        self._draw(view, self.folder.state(), drawn)
         view.close(self._status)
 
-    def _draw(self, view, snapshot: Optional[dict], drawn: dict) -> None:
+    def _draw(self, view, snapshot: Optional[Snapshot], drawn: dict) -> None:
         """The supervisor's model, and the lines printed since ``drawn`` (this view's last draw)."""
         if snapshot is None or snapshot is drawn["snapshot"]:
             if snapshot is not None:
                 view.tick()  # the elapsed time moves on
             return
         drawn["snapshot"] = snapshot
-        state = snapshot["state"]
+        state = snapshot.state
         if len(self._views) > 1:  # each view its own model (a view marks what it drew in it)
             state = pickle.loads(pickle.dumps(state))
-        if snapshot["generation"] != drawn["generation"]:  # a restart's new generation
-            drawn["generation"], drawn["lines"] = snapshot["generation"], 0
+        if snapshot.generation != drawn["generation"]:  # a restart's new generation
+            drawn["generation"], drawn["lines"] = snapshot.generation, 0
             view.begin(state.world_size, state.method, state.backend, state.log_dir, state.call)
-        tail = snapshot["tail"]
-        new = min(snapshot["lines"] - drawn["lines"], len(tail))
-        drawn["lines"] = snapshot["lines"]
+        tail = snapshot.tail
+        new = min(snapshot.lines - drawn["lines"], len(tail))
+        drawn["lines"] = snapshot.lines
         fresh = tail[len(tail) - new:] if new > 0 else []
         view.state = state
         state.changed = True
@@ -232,26 +215,23 @@ class DetachedRun(Run):
 
 def start_detached(run_id: str, config, fn, args: list, kwargs: dict) -> DetachedRun:
     """Write the run's folder and start its supervisor (in a session of its own)."""
-    root = runs_root()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    run_dir = root / run_id
-    run_dir.mkdir(mode=0o700)  # its pickles are loaded by the supervisor and by kernels: this user's alone
+    folder = RunFolder.make(runs_root(), run_id)
     try:
         job = CloudJob(fn, tuple(args), kwargs).pack(sharing=False)  # by value: the supervisor is a new process
-        write_atomically(run_dir / "run.pkl", pickle.dumps({"config": config, "submitted": time.time()}))
-        write_atomically(run_dir / "job.pkl", pickle.dumps({"job": job, "path": sys.path, "cwd": os.getcwd()}))
-        package_parent = str(Path(__file__).resolve().parent.parent)
+        folder.write_asked(Asked(config))
+        folder.write_job(job, sys.path, os.getcwd())
+        package_parent = str(Path(__file__).resolve().parents[2])  # the folder holding the nblaunch package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent,
                                                                        os.environ.get("PYTHONPATH")])))
-        with open(run_dir / "supervisor.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "nblaunch.supervisor", str(run_dir)],
+        with open(folder.supervisor_log, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "nblaunch.background.supervisor", str(folder.path)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, close_fds=True, env=env, cwd=os.getcwd())
-        write_atomically(run_dir / "supervisor.id", procid.identity(proc.pid).encode())
+        folder.write_identity(procid.identity(proc.pid))
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        folder.remove()
         raise
-    run = DetachedRun(run_id, config, run_dir, proc)
+    run = DetachedRun(folder, config, proc)
     run.follow()
     return run
 
@@ -263,7 +243,7 @@ def attach(run_id: str) -> DetachedRun:
         if run.id == run_id and run.detached:
             run.follow()
             return run
-    run = _read(runs_root() / str(run_id))
+    run = _read(RunFolder(runs_root() / str(run_id)))
     if run is None:
         known = ", ".join(r.id for r in detached_runs()) or "none"
         raise LaunchError(f"no detached run {run_id!r} under {runs_root()} (detached runs: {known})")
@@ -277,55 +257,29 @@ def detached_runs() -> list:
     root = runs_root()
     if not root.is_dir():
         return []
-    found = [_read(d) for d in sorted(root.iterdir()) if d.is_dir()]
+    found = [_read(RunFolder(d)) for d in sorted(root.iterdir()) if d.is_dir()]
     return [r for r in found if r is not None]
 
 
-def _read(run_dir: Path) -> Optional[DetachedRun]:
-    if not _mine(run_dir):
+def _read(folder: RunFolder) -> Optional[DetachedRun]:
+    if not folder.mine():  # what is unpickled from it must be this user's own
         return None
-    asked = _load(run_dir / "run.pkl")
+    asked = folder.asked()
     if asked is None:
         return None
-    run = DetachedRun(run_dir.name, asked["config"], run_dir)
-    run.started_at = asked.get("submitted", run.started_at)
+    run = DetachedRun(folder, asked.config)
+    run.started_at = asked.submitted or run.started_at
     run.refresh()
     return run
 
 
-def _load(path: Path) -> Optional[dict]:
-    """A file written whole (``os.replace``), or None if not there (yet)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    return pickle.loads(data)
-
-
-def _mine(run_dir: Path) -> bool:
-    """A run folder this user made and no one else may write to: what is
-    unpickled from it is trusted as the user's own."""
-    try:
-        st = run_dir.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _identity(run_dir: Path) -> Optional[str]:
-    try:
-        return (run_dir / "supervisor.id").read_text()
-    except OSError:
-        return None
-
-
-def _supervisor_running(run_dir: Path) -> bool:
-    ident = _identity(run_dir)
+def _supervisor_running(folder: RunFolder) -> bool:
+    ident = folder.identity()
     return ident is None or procid.same_process(ident)  # no id yet: being started
 
 
-def _signal_supervisor(run_dir: Path, sig: int) -> None:
-    ident = _identity(run_dir)
+def _signal_supervisor(folder: RunFolder, sig: int) -> None:
+    ident = folder.identity()
     if ident and procid.same_process(ident):
         try:
             os.kill(int(ident.split(":")[0]), sig)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .engines.pool import RankPool
-from .errors import RankFailure, render_interrupt
-from .watch import CallWatch, ranks_label
-from .wire.channel import Stopping
+from ..engines.pool import RankPool
+from .. import errors
+from ..errors import RankFailure, render_interrupt
+from .call import CallWatch, ranks_label
+from ..wire.channel import Stopping
 
 __all__ = ["LiveCallWatch"]
 
@@ -159,8 +160,9 @@ class LiveCallWatch(CallWatch):
         where = self._pool.stacks()
         if self.call == 0:
             self._give_up(f"timed out after {self._timeout:g} s")
-            self._timed_out(where, self.name, "The ranks were stopped.")
-        self._timed_out(where, self.name, self._fate(self._interrupt_all(at_a_step=False)))
+            raise errors.timed_out(self.name, self._timeout, where, "The ranks were stopped.", self._pool.log_dir)
+        raise errors.timed_out(self.name, self._timeout, where, self._fate(self._interrupt_all(at_a_step=False)),
+                               self._pool.log_dir)
 
     def _fate(self, kept: bool) -> str:
         return ("The ranks are idle and keep their state." if kept

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .view.base import in_kernel
-from .wire.channel import Answer, Paused, Prompt
+from ..view.base import in_kernel
+from ..wire.channel import Answer, Paused, Prompt
 
 __all__ = ["DebugDesk", "SWITCH_S", "can_answer"]
 

@@ -12,7 +12,7 @@ Outside a launch both still work: ``progress`` draws a plain text bar on
 stderr and ``log`` does nothing, so the same function runs in one process.
 
 Bars the rank's code already has become rows too:
-:func:`nblaunch.integrations.tqdm.mirror` (applied when ``tqdm`` is imported
+:func:`nblaunch.rank.integrations.tqdm.mirror` (applied when ``tqdm`` is imported
 in a rank) makes every console ``tqdm`` bar report like a ``progress``, and keeps its
 redraws out of the output: the row shows it live, and the bar's final line
 is printed once when it closes (as a terminal would keep it).
@@ -32,8 +32,8 @@ import threading
 import time
 from typing import Iterable, Optional, Protocol
 
-from .rank.term import start_thread
-from .wire.channel import GpuMemory, Metrics, Progress, Stopping
+from .term import start_thread
+from ..wire.channel import GpuMemory, Metrics, Progress, Stopping
 
 __all__ = ["progress", "log"]  # what a user imports; the rank-side API is below, by name
 

@@ -11,7 +11,8 @@ registered ``faulthandler`` on SIGUSR1 keeps its stack dump), a node's agent
 :mod:`nblaunch.rank.term`). The kernel then tells every rank of the
 generation at once (``RankPool.preempt``: a file beside the rank's other
 files, on every node), and the ranks get ``grace`` seconds, never cut short
-by nblaunch, to save and return. In a rank, :func:`preempted` says so::
+by nblaunch, to save and return. In a rank,
+:func:`nblaunch.rank.notice.preempted` says so::
 
     for step in range(start, steps):
         train_step()
@@ -30,53 +31,11 @@ import threading
 import time
 from typing import Optional
 
-from .rank.notice import NOTICE_FILE
-
-__all__ = ["preempted", "Catcher", "Grace", "NOTICE_FILE", "CAUGHT", "unhandled"]
+__all__ = ["Catcher", "Grace", "CAUGHT", "unhandled"]
 
 # What SLURM sends before a job ends: SIGTERM (preemption, scancel, the time
 # limit) and, where asked for, SIGUSR1 (--signal=USR1@60, scancel --signal=USR1).
 CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
-
-_seen = False
-
-
-def preempted(agree: bool = False) -> bool:
-    """In a rank: True once the job was told to end (SLURM's SIGTERM or
-    SIGUSR1 to the kernel, a node's agent or a rank, a Ray node being
-    drained: see the module doc); the rank then has the launch's
-    ``preempt_grace`` seconds to save and return. False outside a rank.
-
-    ``agree=True`` makes it a collective on the default process group (every
-    rank must call it at the same point, as with any collective): True on
-    every rank if the notice reached any, so that all save at the same step.
-    The notice reaches every rank within a few milliseconds, but a rank
-    between two checks may see it one step later than another."""
-    global _seen
-    if not _seen:
-        _seen = _notice_here()
-    if not agree:
-        return _seen
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return _seen
-    flag = torch.tensor([1.0 if _seen else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    _seen = bool(flag.item())
-    return _seen
-
-
-def _notice_here() -> bool:
-    from .rank import worker
-
-    spec = worker.current_spec()
-    if spec is None or not spec.stack_file:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))
 
 
 class Catcher:
@@ -211,7 +170,7 @@ class Grace:
         global rank -> its bar's last step), who did not return in time
         (``ended``: they were ended before the grace was over, by whoever
         sent the notice: SLURM's SIGKILL after KillWait)."""
-        from .errors import Preempted
+        from ..errors import Preempted
 
         c = self.catcher
         left = [pool.global_rank(r) for r in range(pool.size) if r not in returned]

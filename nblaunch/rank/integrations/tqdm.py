@@ -2,15 +2,12 @@
 picked in the kernel by ``tqdm.auto``, behave as console bars."""
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 import weakref
 from typing import Optional
 
-# The module (whose reporter() is asked at each call), not the package's
-# ``nblaunch.progress``, which is the bar class.
-progress = importlib.import_module("..progress", __package__)
+from .. import progress  # the module: its reporter() is asked at each call
 
 __all__ = ["mirror", "detach_notebook"]
 

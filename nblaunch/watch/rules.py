@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from .errors import RankFailure, left_early
+from ..errors import RankFailure, left_early
 
 __all__ = ["Stalls", "LeftEarly"]
 

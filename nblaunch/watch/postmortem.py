@@ -20,8 +20,8 @@ import sys
 from types import TracebackType
 from typing import Optional
 
-from .errors import RankFailure, WorkerError
-from .rank.postmortem import FrameRecord, Unshown
+from ..errors import RankFailure, WorkerError
+from ..rank.postmortem import FrameRecord, Unshown
 
 __all__ = ["rank_traceback", "debug", "with_rank_frames"]
 
