@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Optional
 
+from . import registry
 from .config import LaunchConfig, check_call, check_call_options
 from .errors import LaunchError, refuse_inside_a_rank
 from .rank import namespace
@@ -26,12 +27,9 @@ from .wire.payload import check_sendable
 
 __all__ = ["start", "Ranks", "active"]
 
-_active: Optional[weakref.ref] = None
-
-
 def active() -> Optional["Ranks"]:
     """This kernel's open live session, if any."""
-    ranks = _active() if _active is not None else None
+    ranks = registry.live_ranks()
     return ranks if ranks is not None and ranks.is_up else None
 
 
@@ -57,14 +55,13 @@ class Ranks:
     """
 
     def __init__(self, config: LaunchConfig):
-        global _active
         made: list = []  # the session from its first line: a press as it returned left it in flight
         try:
             self._session = Session(config, live=True, kept_in=made)
             self._finalizer = weakref.finalize(self, _Generation(self._session).close)
             self._closed = False
             self._session.open()
-            _active = weakref.ref(self)  # here: a press as start() got them left them up unknown to it
+            registry.set_live_ranks(self)  # here: a press as start() got them left them up unknown to it
         except BaseException:
             if hasattr(self, "_finalizer"):
                 self._finalizer.detach()

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 from .wire.channel import CLOSE, Call
 from .config import LaunchConfig
 from .view import SHOW_AFTER_S, TextDisplay, make_display
-from .engines import Engine, engine_for, inflight
+from . import registry
+from .engines import Engine, engine_for
 from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .outcome import status_of
 from .watch.preempt import Catcher
@@ -45,7 +46,6 @@ CLOSE_WAIT_S = 2.0  # close -> ranks gone on their own, before they are killed
 # hung 1 time in 10 to 90: a rank forked while the other launch's store thread held
 # glibc's resolver lock deadlocks in getnameinfo (gdb). A second one is refused at
 # once. Taken by ``with``: a press just after an ``acquire()`` kept it for good.
-_one_at_a_time_lock = threading.Lock()
 
 
 class LaunchResults(list):
@@ -99,7 +99,7 @@ class Session:
             if getattr(self, "engine", None) is not None:
                 self.engine.close()
         finally:
-            inflight.leave(self)
+            registry.leave(self)
 
     # -- a launch ----------------------------------------------------------------------
 
@@ -291,8 +291,8 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
 def one_at_a_time(what: str = "a launch or a call on live ranks is already running in this kernel "
                                "(from another thread); wait for it to return") -> threading.Lock:
     """For a ``with`` statement: one launch or call on live ranks at a time
-    in this kernel (see ``_one_at_a_time_lock``). A second is refused at
-    once; two begun at the very same instant run one after the other."""
-    if _one_at_a_time_lock.locked():
+    in this kernel (:data:`nblaunch.registry.foreground`). A second is refused
+    at once; two begun at the very same instant run one after the other."""
+    if registry.foreground.locked():
         raise LaunchError(what)
-    return _one_at_a_time_lock
+    return registry.foreground

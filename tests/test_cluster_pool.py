@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from nblaunch.wire import link
+from nblaunch.wire import agent_messages as msg, link
 from nblaunch.wire.channel import RELEASE, Interrupt, Started
 from nblaunch.engines.agent_pool import AgentPool
 from nblaunch.engines.agents import AgentStep
@@ -65,11 +65,11 @@ class ScriptedEngine:
 
     def _agent(self, node: int, address, secret: bytes) -> None:
         conn = link.connect(address, secret)
-        conn.send({"node": node, "name": f"host{node}", "addr": "127.0.0.1", "pid": 0, "gpus": 0})
-        kind, setup = conn.recv()
-        assert kind == "setup" and setup["placement"].node_rank == node
+        conn.send(msg.Hello(node, f"host{node}", "127.0.0.1", 0, 0, False))
+        setup = conn.recv()
+        assert isinstance(setup, msg.Setup) and setup.placement.node_rank == node
         self.setups[node] = setup
-        conn.send(("started", "/nowhere"))
+        conn.send(msg.RanksStarted("/nowhere"))
         for message in self.script.get(node, []):
             conn.send(message)
         if node in self.hang_up:
@@ -81,10 +81,10 @@ class ScriptedEngine:
             except EOFError:
                 return
             self.received[node].append(message)
-            if message[0] in ("stacks", "collectives", "drain"):
-                conn.send(("events", [Lines(0, [f"said while answering {message[0]}"])]))
-                conn.send(("reply", message[1], self.answers.get(message[0])))
-            if message[0] == "close":
+            if isinstance(message, msg.Ask):
+                conn.send(msg.Relayed([Lines(0, [f"said while answering {message.what}"])]))
+                conn.send(msg.Reply(message.rid, self.answers.get(message.what)))
+            if isinstance(message, msg.Close):
                 conn.close()
                 return
 
@@ -106,9 +106,9 @@ def _all_events(pool: AgentPool, want: int) -> list:
 
 
 def test_a_nodes_events_carry_the_ranks_number_in_the_whole_job():
-    engine = ScriptedEngine({1: [("events", [Lines(0, ["hello from node 1"]),
-                                             Message(1, Started(1, 4242, 0.0)),
-                                             Exited(1, 0)])]})
+    engine = ScriptedEngine({1: [msg.Relayed([Lines(0, ["hello from node 1"]),
+                                              Message(1, Started(1, 4242, 0.0)),
+                                              Exited(1, 0)])]})
     pool = _pool(engine)
     try:
         got = _all_events(pool, 3)
@@ -124,7 +124,7 @@ def test_a_nodes_events_carry_the_ranks_number_in_the_whole_job():
 
 def test_an_engine_ending_a_node_is_that_nodes_failure_before_its_ranks_deaths():
     why = "was ended by SIGTERM, sent to its agent by the engine"
-    engine = ScriptedEngine({1: [("bye", why), ("events", [Exited(0, -15), Exited(1, -15)])]}, hang_up=(1,))
+    engine = ScriptedEngine({1: [msg.Bye(why), msg.Relayed([Exited(0, -15), Exited(1, -15)])]}, hang_up=(1,))
     pool = _pool(engine)
     try:
         got = _all_events(pool, 4)
@@ -136,7 +136,7 @@ def test_an_engine_ending_a_node_is_that_nodes_failure_before_its_ranks_deaths()
 
 
 def test_an_agent_that_vanishes_loses_its_ranks_still_up():
-    engine = ScriptedEngine({0: [("events", [Exited(0, 0)])]}, hang_up=(0,))
+    engine = ScriptedEngine({0: [msg.Relayed([Exited(0, 0)])]}, hang_up=(0,))
     pool = _pool(engine)
     try:
         got = _all_events(pool, 3)
@@ -173,10 +173,10 @@ def test_verbs_reach_the_node_of_the_rank_and_release_stays_on_the_node():
         pool.close()
     for t in engine.threads:
         t.join(5)
-    assert engine.received[1][:2] == [("send", 1, "a message"), ("signal", 15, [1])]
-    assert engine.received[0][:2] == [("send", 1, Interrupt("call 4")), ("signal", 15, [0])]
-    assert all(m[0] != "send" or m[2] != RELEASE for node in engine.received.values() for m in node)
-    assert engine.received[0][-1] == ("close",) and engine.received[1][-1] == ("close",)
+    assert engine.received[1][:2] == [msg.Deliver(1, "a message"), msg.SignalRanks(15, [1])]
+    assert engine.received[0][:2] == [msg.Deliver(1, Interrupt("call 4")), msg.SignalRanks(15, [0])]
+    assert all(not isinstance(m, msg.Deliver) or m.message != RELEASE for node in engine.received.values() for m in node)
+    assert engine.received[0][-1] == msg.Close() and engine.received[1][-1] == msg.Close()
 
 
 def test_tensors_in_a_launchs_job_travel_in_its_bytes_not_as_shared_memory_handles():
@@ -192,9 +192,9 @@ def test_tensors_in_a_launchs_job_travel_in_its_bytes_not_as_shared_memory_handl
     engine = ScriptedEngine({})
     pool = _pool(engine, job=job)
     try:
-        data = engine.setups[1]["job"]._data
+        data = engine.setups[1].job._data
         assert len(data) > weights.nbytes  # the tensor's 40 kB are in the bytes
-        fn, args, kwargs = engine.setups[1]["job"].load()
+        fn, args, kwargs = engine.setups[1].job.load()
         assert fn(*args).item() == 70_000.0
     finally:
         pool.close()

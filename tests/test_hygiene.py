@@ -316,13 +316,13 @@ def test_a_second_launch_at_the_same_time_is_refused_at_once():
         started.set()
         box["first"] = notebook_launcher(wait_a_little, num_processes=2, display="none")
 
-    from nblaunch import session
+    from nblaunch import registry
 
     thread = threading.Thread(target=first)
     thread.start()
     started.wait()
     deadline = time.monotonic() + 60
-    while not session._one_at_a_time_lock.locked() and time.monotonic() < deadline:  # the first one is under way
+    while not registry.foreground.locked() and time.monotonic() < deadline:  # the first one is under way
         time.sleep(0.01)
     t = time.monotonic()
     with pytest.raises(LaunchError, match="another launch is running in this kernel"):
@@ -369,9 +369,8 @@ def test_the_stop_button_anywhere_before_the_ranks_start_leaves_no_launch_in_fli
     launch of the kernel started from the forkserver), the slot free, and no
     file open (a press while the zygote's pipes were made leaked them)."""
     from nblaunch.engines import logs
-    from nblaunch.engines import inflight
+    from nblaunch import registry
     from nblaunch.engines.local_pool import LocalPool
-    from nblaunch.session import _one_at_a_time_lock
     from press_scan import PressAtLine
 
     reached: list = []  # per launch: the ranks' start came before the press
@@ -402,7 +401,7 @@ def test_the_stop_button_anywhere_before_the_ranks_start_leaves_no_launch_in_fli
                 interrupted += 1
             except _RanksWouldStart:
                 pass
-        assert (inflight.count(), _one_at_a_time_lock.locked()) == (0, False), (n, press.where)
+        assert (registry.in_flight(), registry.foreground.locked()) == (0, False), (n, press.where)
         assert set(os.listdir("/proc/self/fd")) <= before, (n, press.where)
     assert interrupted >= n - 1 > 100  # a press at every line before the ranks' start, and each landed
 

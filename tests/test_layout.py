@@ -26,7 +26,7 @@ ENGINE_NAMES = {"LocalEngine", "ElasticEngine", "AgentEngine", "SlurmEngine", "R
 # only from its own room and the rooms before it. The top level's modules
 # are rooms of one (the errors, the config, the session...); the doors
 # (the public calls and the package itself) stand last.
-ROOMS = ["system", "wire", "rank", "errors", "clusters", "outcome", "config", "engines", "view", "watch",
+ROOMS = ["system", "registry", "wire", "rank", "errors", "clusters", "outcome", "config", "engines", "view", "watch",
          "session", "background", "doors"]
 DOORS = {"launcher", "live", "magic", "demo", "nblaunch"}
 
@@ -100,6 +100,38 @@ def test_rooms_import_one_way():
             if ROOMS.index(_room(target)) > mine:
                 upward.append(f"{name} -> {target}")
     assert sorted(upward) == []
+
+
+def test_the_kernel_and_the_agents_talk_in_types_declared_in_wire():
+    """No tuple tagged with a string crosses the link; each side handles every message the other may send."""
+    from nblaunch.wire import agent_messages as msg
+
+    tagged, used = [], {}
+    for name in ("nblaunch.engines.agent", "nblaunch.engines.agent_pool"):
+        _, tree = MODULES[name]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("send", "_send", "_tell"):
+                tagged += [f"{name}: {ast.unparse(a)}" for a in node.args if isinstance(a, ast.Tuple) and a.elts
+                           and isinstance(a.elts[0], ast.Constant) and isinstance(a.elts[0].value, str)]
+        used[name] = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.value.id == "msg"}
+    assert tagged == []
+    assert {t.__name__ for t in msg.TO_AGENT} <= used["nblaunch.engines.agent"]
+    assert {t.__name__ for t in msg.TO_KERNEL} <= used["nblaunch.engines.agent_pool"]
+
+
+def test_what_runs_in_this_kernel_is_kept_in_one_registry():
+    """Module-level registries of runs, launches or live ranks live in ``registry`` only (``rank/`` runs in ranks)."""
+    kept = []
+    for name in (m for m in MODULES if not m.startswith("nblaunch.rank")):
+        _, tree = MODULES[name]
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and name != "nblaunch.registry":
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if any(k in n.lower() for n in names for k in ("runs", "inflight", "owners", "active", "one_at")):
+                    kept.append(f"{name}: {names}")
+    assert kept == []
 
 
 def test_no_import_circle():

@@ -241,3 +241,40 @@ def test_a_background_run_passes_over_breakpoints_and_keeps_the_failed_ranks_fra
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_name == "breaks_then_fails" and tb.tb_frame.f_locals["secret"] == 41
     run.forget()
+
+
+def test_a_run_folder_written_before_the_house_moved_is_listed_attached_and_forgotten(tmp_path, monkeypatch):
+    """Run folders as nblaunch wrote them before issue 50 (plain dicts, the
+    errors pickled whole): still listed with their status, attached with
+    their results or error, and forgotten. No process is started."""
+    import pickle
+
+    import cloudpickle
+
+    from nblaunch.config import LaunchConfig
+    from nblaunch.errors import RankFailure
+
+    monkeypatch.setenv("NBLAUNCH_RUNS_DIR", str(tmp_path))
+    config = LaunchConfig(2, background=True, display="none")
+    failure = RankFailure(rank=1, kind="exception", time=1.0, exc_type="ValueError", message="boom")
+    old = {"1205-101010-1-aaaa": {"status": "finished", "results": [1, 2], "log_dir": "/logs/a", "log_files": []},
+           "1205-101011-2-bbbb": {"status": "failed", "error": WorkerError([failure], log_dir="/logs/b"),
+                                  "error_text": "WorkerError: rank 1 failed"},
+           "1205-101012-3-cccc": {"status": "stopped", "error_text": "run.stop() stopped every rank"}}
+    for run_id, outcome in old.items():
+        folder = tmp_path / run_id
+        folder.mkdir(mode=0o700)
+        (folder / "run.pkl").write_bytes(pickle.dumps({"config": config, "submitted": 1.0}))
+        (folder / "supervisor.id").write_text("1:1")  # long gone
+        (folder / "outcome.pkl").write_bytes(cloudpickle.dumps({**outcome, "ended": 2.0}))
+    listed = {r.id: r.status for r in nblaunch.runs(all=True)}
+    assert listed == {"1205-101010-1-aaaa": "finished", "1205-101011-2-bbbb": "failed",
+                      "1205-101012-3-cccc": "stopped"}
+    assert nblaunch.attach("1205-101010-1-aaaa").result() == [1, 2]
+    with pytest.raises(WorkerError, match="boom"):
+        nblaunch.attach("1205-101011-2-bbbb").result()
+    with pytest.raises(RunStopped, match="run 1205-101012-3-cccc was stopped"):
+        nblaunch.attach("1205-101012-3-cccc").result()
+    for run_id in old:
+        nblaunch.attach(run_id).forget()
+    assert os.listdir(tmp_path) == [] and nblaunch.runs(all=True) == []

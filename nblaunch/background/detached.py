@@ -35,7 +35,8 @@ from ..errors import LaunchError, RunStopped, WorkerError
 from ..outcome import Outcome
 from ..watch.postmortem import with_rank_frames
 from .folder import Asked, Ended, RunFolder, Snapshot
-from .in_kernel import Run, config_shows_widgets, kernel_runs, register
+from .. import registry
+from .in_kernel import Run, config_shows_widgets
 from ..session import LaunchResults
 from ..view import WidgetDisplay, make_display
 from ..wire.payload import CloudJob
@@ -239,7 +240,7 @@ def start_detached(run_id: str, config, fn, args: list, kwargs: dict) -> Detache
 def attach(run_id: str) -> DetachedRun:
     """The detached run ``run_id`` (see ``nblaunch.runs(all=True)``), its view
     redrawn in this cell with its history, following it until it ends."""
-    for run in kernel_runs():
+    for run in registry.runs():
         if run.id == run_id and run.detached:
             run.follow()
             return run
@@ -248,7 +249,7 @@ def attach(run_id: str) -> DetachedRun:
         known = ", ".join(r.id for r in detached_runs()) or "none"
         raise LaunchError(f"no detached run {run_id!r} under {runs_root()} (detached runs: {known})")
     run.follow()
-    register(run)
+    registry.add_run(run)
     return run
 
 

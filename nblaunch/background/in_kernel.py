@@ -41,13 +41,12 @@ from ..outcome import STATUSES, Outcome
 from ..session import LaunchResults, Session
 from ..view import SHOW_AFTER_S, WidgetDisplay, make_display
 from ..view.base import in_kernel
-from ..engines import inflight
+from .. import registry
 from ..engines.plan import SHARED_WHY
 from ..wire.payload import check_sendable
 
-__all__ = ["Run", "start_here", "kernel_runs", "new_id", "register", "unregister", "config_shows_widgets"]
-_runs: dict = {}  # this kernel's runs, by id, in the order submitted
-_runs_lock = threading.Lock()
+__all__ = ["Run", "start_here", "new_id", "config_shows_widgets"]
+_done_lock = threading.Lock()  # a run's end and its done callbacks
 _numbers = itertools.count(1)
 
 
@@ -124,7 +123,7 @@ class Run:
 
     def add_done_callback(self, fn: Callable[["Run"], None]) -> None:
         """``fn(run)`` once the run ends (at once if it has), in the run's thread."""
-        with _runs_lock:
+        with _done_lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
@@ -157,7 +156,7 @@ class Run:
         for view in self._views:  # the widgets a reopened tab would show: kept until now
             if isinstance(view, WidgetDisplay):
                 view.drop_widgets()
-        unregister(self.id)
+        registry.drop_run(self.id)
 
     def __repr__(self) -> str:
         took = f", {time.time() - self.started_at:.0f} s" if not self.done() else ""
@@ -176,7 +175,7 @@ class Run:
         if isinstance(error, RunStopped):
             error = error.named(self.id)
         self._results, self._error = outcome.results, error
-        with _runs_lock:
+        with _done_lock:
             self._status = outcome.status
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
@@ -217,7 +216,7 @@ def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) 
     # In flight from now, not from when its thread has made the engine: a
     # launch the cell makes next must not fork while this thread runs.
     def leave() -> None:
-        inflight.leave(run)
+        registry.leave(run)
 
     def watch() -> None:
         try:
@@ -230,7 +229,7 @@ def start_here(run_id: str, config: LaunchConfig, fn, args: list, kwargs: dict) 
         run._watch(session, fn, args, kwargs, release=leave)
 
     try:
-        inflight.enter(run, lambda others: None)
+        registry.enter(run, lambda others: None)
         threading.Thread(target=contextvars.copy_context().run, args=(watch,), name=f"nblaunch-run-{run_id}",
                          daemon=True).start()
     except BaseException:
@@ -268,21 +267,3 @@ def config_shows_widgets(display: str) -> bool:
 
 def new_id() -> str:
     return f"{time.strftime('%m%d-%H%M%S')}-{next(_numbers)}-{uuid.uuid4().hex[:4]}"
-
-
-def kernel_runs() -> list:
-    """This kernel's runs, oldest first."""
-    with _runs_lock:
-        return list(_runs.values())
-
-
-def register(run: Run) -> None:
-    """Add a run made elsewhere (an attached detached run) to ``runs()``."""
-    with _runs_lock:
-        _runs[run.id] = run
-
-
-def unregister(run_id: str) -> None:
-    with _runs_lock:
-        _runs.pop(run_id, None)
-

@@ -3,18 +3,15 @@
 owned by a supervisor, ``attach``)."""
 from __future__ import annotations
 
-import threading
 from typing import Callable, Optional, Sequence
 
 from ..config import LaunchConfig, check_call
 from .detached import detached_runs, start_detached
 from ..errors import refuse_inside_a_rank
-from .in_kernel import Run, kernel_runs, new_id, register, start_here
+from .. import registry
+from .in_kernel import Run, new_id, start_here
 
 __all__ = ["submit", "runs"]
-
-_submitting = threading.Lock()
-
 
 def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, num_processes: int,
            cpus: Optional[Sequence[int]] = None, devices: Optional[Sequence[int]] = None, detach: bool = False,
@@ -35,10 +32,10 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, 
         raise TypeError(f"detach must be True or False, got {detach!r}")
     config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
     refuse_inside_a_rank("nblaunch.submit")
-    with _submitting:  # two submits at once cannot both take the same free GPUs
+    with registry.submitting:  # two submits at once cannot both take the same free GPUs
         _check_devices_free(config)
         run = (start_detached if detach else start_here)(new_id(), config, fn, args, kwargs)
-        register(run)
+        registry.add_run(run)
     return run
 
 
@@ -58,7 +55,7 @@ def _check_devices_free(config: LaunchConfig) -> None:
 def runs(all: bool = False) -> list:
     """This kernel's runs, oldest first; ``all=True``: with every detached
     run of this machine (from other kernels too, or from before a restart)."""
-    mine = kernel_runs()
+    mine = registry.runs()
     if not all:
         return mine
     known = {r.id for r in mine}

@@ -16,7 +16,7 @@ def engine_for(config, live: bool = False, owner=None) -> Engine:
     of a cluster (``cluster=``). A cluster engine finds its nodes now, so a
     missing allocation or cluster is a clear error before any process starts.
     ``owner``: what counts a local engine among the launches in flight
-    (:mod:`.inflight`; the engine itself if None)."""
+    (:mod:`nblaunch.registry`; the engine itself if None)."""
     if config.cluster is not None:
         from .ray import Ray, RayEngine
         from .slurm import SlurmEngine

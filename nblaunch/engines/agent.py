@@ -28,6 +28,8 @@ from pathlib import Path
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
+from ..wire import agent_messages as msg
+
 __all__ = ["main", "Placed", "relayable"]
 
 # What the node's ranks report as they go is sent to the kernel at most this
@@ -116,39 +118,39 @@ class _Agent:
 
         while True:
             try:
-                kind, *rest = self.conn.recv()
+                message = self.conn.recv()
             except (EOFError, OSError):
                 return 0
-            if kind == "setup":
-                self.pool = LocalPool(*self._plan(rest[0]))
+            if isinstance(message, msg.Setup):
+                self.pool = LocalPool(*self._plan(message))
                 break
-            if kind == "close":
+            if isinstance(message, msg.Close):
                 return 0
         try:
             self.pool.start()
-            self._send(("started", self.pool.log_dir.as_posix()))
+            self._send(msg.RanksStarted(self.pool.log_dir.as_posix()))
             return self._relay()
         finally:
             self.pool.close()
             self._folder.cleanup()
 
-    def _plan(self, setup: dict) -> tuple:
+    def _plan(self, setup: "msg.Setup") -> tuple:
         from ..wire import modules
         from .plan import plan_ranks
         from ..system.resources import Sampler, gpu_devices
 
-        config = setup["config"]
+        config = setup.config
         # Before the plan: it records the environment the ranks get (PYTHONPATH included).
-        installed = modules.install(setup.get("modules", {}), Path(self._folder.name))
+        installed = modules.install(setup.modules, Path(self._folder.name))
         if installed:
             print(f"nblaunch agent: installed the notebook's modules {', '.join(installed)} for this node's ranks",
                   flush=True)
         # This node alone: its place in the job comes with the setup (num_nodes was the engine's).
-        node_config = dataclasses.replace(config, cluster=None, num_nodes=1, min_nodes=None, master_addr=setup["node_addr"],
-                                          backend=setup["backend"] or config.backend)
-        plan = plan_ranks(node_config, live=setup["live"])
+        node_config = dataclasses.replace(config, cluster=None, num_nodes=1, min_nodes=None, master_addr=setup.node_addr,
+                                          backend=setup.backend or config.backend)
+        plan = plan_ranks(node_config, live=setup.live)
         self._sampler = Sampler(gpu_devices(list(range(config.num_processes))))
-        return plan, Placed(setup["placement"]), setup["job"], setup["attempt"]
+        return plan, Placed(setup.placement), setup.job, setup.attempt
 
     def _relay(self) -> int:
         import time
@@ -163,7 +165,7 @@ class _Agent:
             items = pool.poll(max(0.0, wait), also=also)
             self._woken()
             if self.ending is not None:
-                self._send(("bye", self.ending))
+                self._send(msg.Bye(self.ending))
                 pool.stop(2.0)
                 self._pending += items + pool.poll(0) + pool.drain()
                 self._flush()
@@ -179,10 +181,10 @@ class _Agent:
                 self._told = True
                 pool.preempt(f"{self.preempting} to this node's agent")  # this node's ranks at once
                 self._flush()  # what came before the notice, first
-                self._send(("preempt", self.preempting))
+                self._send(msg.PreemptNotice(self.preempting))
             usage = self._sampler.sample(pool.running_pids())
             if usage:
-                self._send(("usage", usage))
+                self._send(msg.Usage(usage))
             while conn.poll(0):
                 try:
                     message = conn.recv()
@@ -207,34 +209,30 @@ class _Agent:
         except OSError:  # full: a wake is pending anyway
             pass
 
-    def _apply(self, message: tuple) -> bool:
-        """One verb from the kernel; True when it says to leave."""
+    def _apply(self, message) -> bool:
+        """One message from the kernel (:mod:`nblaunch.wire.agent_messages`); True when it says to leave."""
         from ..wire.channel import RELEASE
 
         pool = self.pool
-        kind, *args = message
-        if kind == "send":
-            local, what = args
-            if what != RELEASE:  # results were released here, once fetched
-                pool.send(local, what)
-        elif kind == "signal":
-            pool.signal(*args)
-        elif kind == "stacks":
-            rid, locals_ = args
-            self._send(("reply", rid, pool.stacks(locals_)))
-        elif kind == "collectives":
-            rid, locals_ = args
-            self._send(("reply", rid, pool.collectives(locals_)))
-        elif kind == "drain":
-            (rid,) = args
-            self._pending += pool.drain()
-            self._flush()
-            self._send(("reply", rid, None))
-        elif kind == "preempt":
-            pool.preempt(args[0])
-        elif kind == "close":
+        if isinstance(message, msg.Deliver):
+            if message.message != RELEASE:  # results were released here, once fetched
+                pool.send(message.local, message.message)
+        elif isinstance(message, msg.SignalRanks):
+            pool.signal(message.sig, message.ranks)
+        elif isinstance(message, msg.Ask):
+            self._send(msg.Reply(message.rid, self._answer(message)))
+        elif isinstance(message, msg.Preempt):
+            pool.preempt(message.why)
+        elif isinstance(message, msg.Close):
             return True
         return False
+
+    def _answer(self, ask: "msg.Ask"):
+        if ask.what == "drain":  # every rank's last output goes before the reply
+            self._pending += self.pool.drain()
+            self._flush()
+            return None
+        return self.pool.stacks(ask.ranks) if ask.what == "stacks" else self.pool.collectives(ask.ranks)
 
     def _flush(self) -> None:
         """What the node's ranks sent since the last flush, as one message."""
@@ -242,7 +240,7 @@ class _Agent:
 
         if self._pending:
             items, self._pending = coalesce(self._pending), []
-            self._send(("events", [relayable(i, self.pool) for i in items]))
+            self._send(msg.Relayed([relayable(i, self.pool) for i in items]))
 
     def _send(self, message: Any) -> None:
         try:
@@ -306,10 +304,10 @@ def main(argv: Optional[list] = None) -> int:
     gc.enable()
     conn = link.connect((host.strip("[]"), int(port)), secret)
     agent = _Agent(conn, parent)
-    conn.send({"node": int(os.environ.get(opts.node_var, "0") or 0),
-               "name": os.environ.get(opts.name_var) or socket.gethostname(),
-               "addr": route_address(host.strip("[]"), int(port)), "pid": os.getpid(),
-               "gpus": torch.cuda.device_count(), "nccl": torch.distributed.is_nccl_available()})
+    conn.send(msg.Hello(node=int(os.environ.get(opts.node_var, "0") or 0),
+                        name=os.environ.get(opts.name_var) or socket.gethostname(),
+                        addr=route_address(host.strip("[]"), int(port)), pid=os.getpid(),
+                        gpus=torch.cuda.device_count(), nccl=torch.distributed.is_nccl_available()))
     try:
         return agent.run()
     finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from ..wire import link
+from ..wire import agent_messages as msg, link
 from ..wire.channel import RELEASE, Started
 from ..errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
@@ -98,9 +98,8 @@ class AgentPool(RankPool):
         sources = local_sources()  # the notebook's own modules, for nodes that cannot import them
         for agent, hello in zip(self._agents, hellos):
             placement = Placement(agent.node, len(self._agents), self.per_node, lhost, port)
-            self._tell(agent, ("setup", {"config": self._config, "live": self._live, "job": self._job,
-                                         "placement": placement, "node_addr": hello["addr"], "backend": backend,
-                                         "attempt": self._attempt, "modules": sources}))  # False: gone, said below
+            self._tell(agent, msg.Setup(self._config, self._live, self._job, placement, hello.addr, backend,
+                                        self._attempt, sources))  # False: gone, said below
         waiting = {a.node for a in self._agents}
         deadline = time.monotonic() + AGENTS_START_S
         while waiting:
@@ -116,7 +115,7 @@ class AgentPool(RankPool):
         self.placement = Placement(0, len(self._agents), self.per_node, lhost, port)
         return self.placement
 
-    def _gather(self, tick: Callable[[], None]) -> list[dict]:
+    def _gather(self, tick: Callable[[], None]) -> "list[msg.Hello]":
         """Every node's agent connected and authenticated, in node order."""
         deadline = time.monotonic() + AGENTS_START_S
         got: dict[int, tuple] = {}
@@ -124,14 +123,14 @@ class AgentPool(RankPool):
             item = self._listener.get(0.1)
             if item is not None:
                 conn, hello = item
-                if not isinstance(hello, dict) or hello.get("node") in got:
+                if not isinstance(hello, msg.Hello) or hello.node in got:
                     conn.close()
                     continue
-                got[hello["node"]] = (conn, hello)
+                got[hello.node] = (conn, hello)
             self._check_step(deadline, "connect")
             tick()
         self._listener.close()  # every agent is in: the port closes
-        self._agents = [_Node(n, got[n][1]["name"], got[n][0]) for n in sorted(got)]
+        self._agents = [_Node(n, got[n][1].name, got[n][0]) for n in sorted(got)]
         return [got[n][1] for n in sorted(got)]
 
     def _check_step(self, deadline: float, what: str) -> None:
@@ -152,15 +151,15 @@ class AgentPool(RankPool):
         text = self._step.output() if self._step is not None else ""
         return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
 
-    def _backend(self, hellos: list[dict]) -> Optional[str]:
+    def _backend(self, hellos: "list[msg.Hello]") -> Optional[str]:
         """The process group's backend, by the rule a single machine uses, for
         the node with the fewest GPUs."""
         c = self._config
         if not c.init_process_group:
             return None
         try:
-            return resolve_backend(c.backend, self.per_node, min(h["gpus"] for h in hellos),
-                                   all(h.get("nccl", False) for h in hellos), where="on the node with the fewest")
+            return resolve_backend(c.backend, self.per_node, min(h.gpus for h in hellos),
+                                   all(h.nccl for h in hellos), where="on the node with the fewest")
         except ValueError as exc:
             raise LaunchError(str(exc)) from None
 
@@ -191,11 +190,11 @@ class AgentPool(RankPool):
                 self._take(agent, message, out)
         return out
 
-    def _take(self, agent: _Node, message: tuple, out: list) -> None:
-        kind, *args = message
+    def _take(self, agent: _Node, message, out: list) -> None:
+        """One message from ``agent`` (:mod:`nblaunch.wire.agent_messages`), in the order it sent them."""
         first = agent.node * self.per_node
-        if kind == "events":
-            for item in args[0]:
+        if isinstance(message, msg.Relayed):
+            for item in message.items:
                 item = _renumber(item, first + item.rank)
                 rank = self._ranks[item.rank]
                 if isinstance(item, Lines):
@@ -207,16 +206,16 @@ class AgentPool(RankPool):
                 elif isinstance(item, Exited):
                     rank.exited = True
                 out.append(item)
-        elif kind == "reply":
-            self._replies[args[0]] = args[1]
-        elif kind == "usage":
-            self._usage.update({first + local: u for local, u in args[0].items()})
-        elif kind == "started":
+        elif isinstance(message, msg.Reply):
+            self._replies[message.rid] = message.value
+        elif isinstance(message, msg.Usage):
+            self._usage.update({first + local: u for local, u in message.by_rank.items()})
+        elif isinstance(message, msg.RanksStarted):
             agent.started = True
-        elif kind == "preempt":  # its cluster told the node's agent the job is ending
-            self.preempting = self.preempting or (args[0], f"the agent on {agent.name}")
-        elif kind == "bye":  # the engine is ending this node: that, not its ranks' deaths, is the news
-            agent.why = args[0]
+        elif isinstance(message, msg.PreemptNotice):  # its cluster told the node's agent the job is ending
+            self.preempting = self.preempting or (message.signal, f"the agent on {agent.name}")
+        elif isinstance(message, msg.Bye):  # the engine is ending this node: that, not its ranks' deaths, is the news
+            agent.why = message.why
             for r in range(first, first + self.per_node):
                 if not self._ranks[r].exited:
                     out.append(Lost(r, f"({agent.name}) {agent.why}"))
@@ -237,7 +236,7 @@ class AgentPool(RankPool):
     def _agent_of(self, rank: int) -> _Node:
         return self._agents[rank // self.per_node]
 
-    def _tell(self, agent: _Node, message: tuple) -> bool:
+    def _tell(self, agent: _Node, message) -> bool:
         if not agent.open:
             return False
         try:
@@ -260,20 +259,20 @@ class AgentPool(RankPool):
             return True  # the agent released the rank when it fetched the result
         if rank // self.per_node >= len(self._agents):
             return False
-        return self._tell(self._agent_of(rank), ("send", rank % self.per_node, message))
+        return self._tell(self._agent_of(rank), msg.Deliver(rank % self.per_node, message))
 
     def preempt(self, why: str) -> None:
         for agent in self._agents:
-            self._tell(agent, ("preempt", why))
+            self._tell(agent, msg.Preempt(why))
 
     def signal(self, sig: int, ranks: list[int]) -> None:
         for node, locals_ in self._by_node(ranks).items():
-            self._tell(self._agents[node], ("signal", sig, locals_))
+            self._tell(self._agents[node], msg.SignalRanks(sig, locals_))
 
-    def _request(self, node: int, verb: str, *args) -> Any:
+    def _request(self, node: int, what: str, ranks: Optional[list] = None) -> Any:
         """An agent's answer; what else it sends meanwhile is kept for the next poll."""
         agent, rid = self._agents[node], next(self._ids)
-        if not self._tell(agent, (verb, rid, *args)):
+        if not self._tell(agent, msg.Ask(rid, what, list(ranks or []))):
             return None
         deadline = time.monotonic() + REPLY_WAIT_S
         while rid not in self._replies and agent.open and time.monotonic() < deadline:
@@ -332,7 +331,7 @@ class AgentPool(RankPool):
     def _release(self) -> None:
         try:
             for agent in self._agents:
-                self._tell(agent, ("close",))
+                self._tell(agent, msg.Close())
             deadline = time.monotonic() + TEARDOWN_WAIT_S * 2
             for agent in self._agents:
                 while agent.open and time.monotonic() < deadline:

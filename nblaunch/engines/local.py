@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from . import inflight
+from .. import registry
 from .base import Engine
 from .local_pool import LocalPool
 from .nodes import SingleNode
@@ -32,14 +32,14 @@ class LocalEngine(Engine):
         self.config = config
         self._owner = self if owner is None else owner
         try:
-            self.plan = inflight.enter(self._owner, lambda others: plan_ranks(
+            self.plan = registry.enter(self._owner, lambda others: plan_ranks(
                 config, live=live, shared=bool(others) or config.background))
             self.method, self.backend, self.notice = self.plan.method, self.plan.backend, self.plan.notice
             self.world_size = config.num_processes
             self.pg_timeout = self.plan.pg_timeout
             self.nodes = self._nodes()
         except BaseException:
-            inflight.leave(self._owner)
+            registry.leave(self._owner)
             raise
 
     def _nodes(self):
@@ -75,7 +75,7 @@ class LocalEngine(Engine):
         try:
             self.nodes.close()
         finally:
-            inflight.leave(self._owner)
+            registry.leave(self._owner)
 
 
 def _in_kernel() -> bool:
