@@ -33,7 +33,7 @@ def active() -> Optional["Ranks"]:
     return ranks if ranks is not None and ranks.is_up else None
 
 
-class _Generation:
+class _EndSession:
     """The session, for the finalizer (which must not hold the ``Ranks``)."""
 
     def __init__(self, session: Session):
@@ -58,7 +58,7 @@ class Ranks:
         made: list = []  # the session from its first line: a press as it returned left it in flight
         try:
             self._session = Session(config, live=True, kept_in=made)
-            self._finalizer = weakref.finalize(self, _Generation(self._session).close)
+            self._finalizer = weakref.finalize(self, _EndSession(self._session).close)
             self._closed = False
             self._session.open()
             registry.set_live_ranks(self)  # here: a press as start() got them left them up unknown to it

@@ -10,7 +10,7 @@ A call that fails on some live ranks interrupts the others
 (``KeyboardInterrupt`` in their Python code) and keeps every rank. The ranks
 are restarted, and the error says so, when they cannot be brought back to a
 sound state: a rank died, a rank did not answer the interrupt within
-``watch.INTERRUPT_GRACE_S`` (blocked in a collective its peers never
+``watch.live.INTERRUPT_GRACE_S`` (blocked in a collective its peers never
 joined), or the ranks issued different numbers of collectives on the default
 group (their next one would pair with the wrong operation). Never a
 silently half-working session.
@@ -223,13 +223,13 @@ class Session:
             results = watch.run(begin)
         except BaseException as exc:
             view.close(status_of(exc))
-            raise _with_note(exc, self._after(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
+            raise _with_note(exc, self._recover(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
         view.close("finished")
         if watch.broken:
-            warnings.warn(f"{name} returned, but {self._after(watch)}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"{name} returned, but {self._recover(watch)}", RuntimeWarning, stacklevel=4)
         return LaunchResults(results, str(pool.log_dir), pool.log_files)
 
-    def _after(self, watch: CallWatch, exc: Optional[BaseException] = None) -> str:
+    def _recover(self, watch: CallWatch, exc: Optional[BaseException] = None) -> str:
         """After a call that did not end well: replace broken ranks (on the
         nodes still up, when a node was lost and ``min_nodes`` allows); say
         what became of them."""

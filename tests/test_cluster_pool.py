@@ -12,7 +12,7 @@ import pytest
 from nblaunch.wire import agent_messages as msg, link
 from nblaunch.wire.channel import RELEASE, Interrupt, Started
 from nblaunch.engines.agent_pool import AgentPool
-from nblaunch.engines.agents import AgentStep
+from nblaunch.engines.agent_engine import AgentStep
 from nblaunch.config import LaunchConfig
 from nblaunch.engines.pool import Exited, Lines, Lost, Message
 

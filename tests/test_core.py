@@ -20,9 +20,9 @@ from nblaunch.view import TextDisplay
 from nblaunch.errors import LaunchTimeout, WorkerError
 from nblaunch.engines.nodes import Placement
 from nblaunch.engines.pool import Exited, Lines, Message, RankPool
-from nblaunch.watch.call import rules
+from nblaunch.watch import rules
 from nblaunch.watch.rules import Stalls
-from nblaunch.watch.call import live as live_watch
+from nblaunch.watch import live as live_watch
 from nblaunch.watch.live import LiveCallWatch
 from nblaunch.watch.call import CallWatch
 from nblaunch.watch.stop_button import StopButton

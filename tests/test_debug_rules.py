@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from nblaunch.watch.call import debug_desk, postmortem
+from nblaunch.watch import debug_desk, postmortem
 from nblaunch.watch.debug_desk import DebugDesk
 from nblaunch.errors import RankFailure
 from nblaunch.rank import postmortem as rank_postmortem

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 MAX_MODULE_LINES = 500
 MAX_ENGINE_LINES = 320
 MAX_TOP_LEVEL_MODULES = 12
-ENGINE_MODULES = ["local", "elastic", "agents", "slurm", "ray"]
+ENGINE_MODULES = ["local", "elastic", "agent_engine", "slurm", "ray"]
 ENGINE_NAMES = {"LocalEngine", "ElasticEngine", "AgentEngine", "SlurmEngine", "RayEngine", "LocalPool",
                 "ElasticPool", "AgentPool", "SingleNode", "NodeGroup", "spans_nodes"}
 # The rooms, lowest first, as docs/design.md draws them: a module imports

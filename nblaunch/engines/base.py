@@ -1,7 +1,7 @@
 """The Engine contract: how a session gets its ranks.
 
 One kind of engine per way of getting ranks (this folder: local, elastic,
-slurm, ray; the last two share the node agents of ``agents.py``). The
+slurm, ray; the last two share the node agents of ``agent_engine.py``). The
 session picks one, once, from the config (:func:`nblaunch.engines.engine_for`)
 and from then on only uses what is declared here, and the
 :class:`~nblaunch.engines.pool.RankPool` each generation of ranks is:

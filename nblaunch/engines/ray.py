@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from .agents import AgentEngine, AgentStep
+from .agent_engine import AgentEngine, AgentStep
 from ..clusters import Ray
 from ..errors import LaunchError
 

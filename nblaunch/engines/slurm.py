@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from .agents import AgentEngine, AgentStep
+from .agent_engine import AgentEngine, AgentStep
 from ..clusters import Slurm
 from ..errors import LaunchError
 

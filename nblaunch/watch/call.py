@@ -136,10 +136,10 @@ class CallWatch:
             self._give_up("stopped on an error in its launcher")
             raise
         finally:
-            self._after()
+            self._drain()
         return self._outcome()
 
-    def _after(self) -> None:
+    def _drain(self) -> None:
         """The call is over: a launch's ranks are all gone; what they wrote last is taken."""
         self._apply(self._pool.drain())
 

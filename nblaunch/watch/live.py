@@ -43,7 +43,7 @@ class LiveCallWatch(CallWatch):
 
     # -- what differs from a launch ---------------------------------------------------
 
-    def _after(self) -> None:
+    def _drain(self) -> None:
         """The ranks stay up: nothing to drain."""
 
     def _over(self) -> bool:

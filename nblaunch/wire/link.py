@@ -1,5 +1,5 @@
 """The authenticated channel between the kernel and the node agents of a
-cluster launch (:mod:`nblaunch.engines.agents`).
+cluster launch (:mod:`nblaunch.engines.agent_engine`).
 
 The kernel listens on one TCP port for the length of a cluster launch (or of
 live ranks), on the address it uses to reach the nodes. Every connection must
