@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 def per_iteration(n: int) -> dict:
     from tqdm import tqdm
 
-    from nblaunch.rank import progress
+    from nblaunch import progress
 
     def timed(make):
         t = time.perf_counter_ns()
@@ -102,8 +102,7 @@ def _loop(steps: int, report: bool) -> float:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch import log
-    from nblaunch.rank import progress
+    from nblaunch import log, progress
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))

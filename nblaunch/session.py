@@ -123,7 +123,7 @@ class Session:
     def _attempts(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
         c, engine = self.config, self.engine
         notices = [engine.notice] if engine.notice else []
-        history = self.history = History(c.max_restarts)
+        history = self.history
         job = engine.job(fn, tuple(args), kwargs)
         catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
         for attempt in range(c.max_restarts + 1):

@@ -13,8 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from nblaunch import log, notebook_launcher
-from nblaunch.rank import progress
+from nblaunch import log, notebook_launcher, progress
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -72,6 +72,12 @@ class Engine(abc.ABC):
         """The ranks of the whole job (every node's), as its next generation has them."""
         return self.world_size
 
+    def shrink(self, failures: list) -> bool:
+        """After a generation failed with ``failures``: whether the next one
+        can run without the nodes they lost (``min_nodes``), its nodes then
+        left out. An engine of one machine cannot: False."""
+        return False
+
     def close(self) -> None:
         """Give back what the engine holds (a store, a rendezvous, an
         allocation it asked for). Safe twice."""

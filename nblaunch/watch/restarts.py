@@ -53,5 +53,4 @@ def may_restart(engine, exc: WorkerError) -> bool:
     or nodes joined by the c10d rendezvous, with ``min_nodes``), which it then does."""
     if exc.root.kind != "node":
         return True
-    shrink = getattr(engine, "shrink", None)
-    return shrink is not None and shrink(exc.failures)
+    return engine.shrink(exc.failures)
