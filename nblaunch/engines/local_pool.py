@@ -22,9 +22,9 @@ from .logs import new_launch_dir, release_launch_dir
 from ..rank.stacks import collect, collectives, format_stacks
 from ..rank.spec import WorkerSpec
 from ..rank.worker import run_worker
-from ..wire.channel import EventReader, Interrupt, Started
+from ..wire.channel import EventReader, Failure, Interrupt, Result, Started
 from .nodes import Nodes, Placement
-from .output import RankOutput
+from .output import END_DRAIN_S, RankOutput, drain_due
 from .plan import starting_ranks
 from .pipes import PoolPipes
 from .pool import TAIL_LINES, TEARDOWN_WAIT_S, Exited, Message, PoolEvent, RankFacts, RankPool
@@ -34,7 +34,6 @@ from ..system.files import write_atomically
 from .zygote import Zygote, usable as zygote_usable
 
 __all__ = ["LocalPool"]
-
 
 
 @dataclass(kw_only=True)
@@ -50,6 +49,9 @@ class _Proc(RankFacts):
     # SIGTERM is orphaned when the rank dies, and must still get the SIGKILL.
     tree: dict = field(default_factory=dict)
     pidfd: Optional[int] = None  # the rank's very process, once signalled (engines/pidfds.py)
+    # When its process was seen to end, while its output pipe was still open
+    # (a child of the rank holds it): its Exited waits for the pipe's end.
+    ending_since: Optional[float] = None
 
 
 class LocalPool(RankPool):
@@ -182,9 +184,14 @@ class LocalPool(RankPool):
         Routine traffic comes in batches (:class:`~nblaunch.engines.pipes.PoolPipes`)."""
         if self._pipes is None and self._procs and all(p.proc.pid is not None for p in self._procs):
             self._pipes = PoolPipes(self._procs, self._read_events, self._read_exit)
-        if self._pipes is not None:
-            return self._pipes.poll(timeout, also)
-        # A start that did not finish: the ranks that did start, this once.
+        ending, timeout = _ending(self._procs, timeout)
+        out = self._pipes.poll(timeout, also) if self._pipes is not None else self._poll_started(timeout, also)
+        for p in ending:
+            _end_if_drained(p, out)
+        return out
+
+    def _poll_started(self, timeout: float, also: tuple) -> list[PoolEvent]:
+        """A start that did not finish: the ranks that did start, this once."""
         live = [p for p in self._procs if p.proc.pid is not None and not p.exited]
         if not live and not also:
             time.sleep(timeout)
@@ -196,19 +203,21 @@ class LocalPool(RankPool):
             pipes.close()
 
     def _read_events(self, p: _Proc, out: list) -> None:
-        for event in p.events.read():
+        events = p.events.read()
+        if any(isinstance(event, (Result, Failure)) for event in events):  # what it printed before, first
+            p.output.drain(out)  # (all in the pipe now: the rank flushed its streams before it reported)
+        for event in events:
             if isinstance(event, Started):
                 p.started = True
             out.append(Message(p.spec.local_rank, event))
 
     def _read_exit(self, p: _Proc, out: list) -> None:
-        p.proc.join()
-        self._read_events(p, out)
-        p.output.read(out, max_reads=None)
-        if p.output.open:
-            p.output.end(out)
-        p.exited = True
-        out.append(Exited(p.spec.local_rank, p.proc.exitcode))
+        if p.ending_since is None:  # its events, its output; its Exited once the pipe ends (_end_if_drained)
+            p.proc.join()
+            self._read_events(p, out)
+            p.output.drain(out)
+            p.ending_since = time.monotonic()
+        _end_if_drained(p, out)
 
     # -- telling -----------------------------------------------------------------
 
@@ -252,13 +261,9 @@ class LocalPool(RankPool):
         armed): one still starting would not answer, and waiting for it
         would delay an early interrupt by the whole answer time."""
         chosen = [self._procs[r] for r in ranks]
-
-        def label(p: _Proc) -> int:
-            return p.global_rank if p.global_rank >= 0 else p.spec.local_rank
-
-        live = {label(p): (p.proc.pid, p.spec.stack_file) for p in chosen
+        live = {_label(p): (p.proc.pid, p.spec.stack_file) for p in chosen
                 if p.started and not p.exited and p.proc.pid is not None and p.spec.stack_file}
-        starting = [label(p) for p in chosen if not p.started and not p.exited]
+        starting = [_label(p) for p in chosen if not p.started and not p.exited]
         text = format_stacks(collect(live), live) if live else ""
         if starting:
             text += ("\n" if text else "") + "".join(
@@ -317,11 +322,7 @@ class LocalPool(RankPool):
                 signal_trees([(p.proc.pid, p.tree, self._pidfd(p))], signal.SIGKILL)
                 p.proc.join(TEARDOWN_WAIT_S)
         self._kill_orphans()
-        for p in self._procs:
-            if p.output.open:
-                p.output.read(out, max_reads=64)
-                p.output.end(out)
-                p.output.open = False
+        _read_to_end(self._procs, out, self._child_ends if self._started.is_set() else None)
         return out
 
     def _close_pipes(self) -> None:
@@ -352,6 +353,60 @@ class LocalPool(RankPool):
         self._no_more_starts.set()
         self._close_pipes()
         release_launch_dir(self.log_dir)
+
+
+def _label(p: _Proc) -> int:
+    return p.global_rank if p.global_rank >= 0 else p.spec.local_rank
+
+
+def _end_if_drained(p: _Proc, out: list) -> None:
+    """A rank's exit is acted on once its output pipe ended; one a child of
+    the rank keeps open, after ``END_DRAIN_S``, said in its log and view."""
+    if p.exited or p.ending_since is None:
+        return
+    if p.output.open:
+        p.output.read(out)
+    if not drain_due(not p.output.open, time.monotonic() - p.ending_since, END_DRAIN_S):
+        return
+    if p.output.open:
+        p.output.note(out, f"rank {_label(p)} ended, but a process it started still holds its output open; "
+                           f"what that process writes after {END_DRAIN_S:g} s is not kept")
+        p.output.end(out)
+        p.output.open = False
+    p.exited = True
+    out.append(Exited(p.spec.local_rank, p.proc.exitcode))
+
+
+def _ending(procs: list, timeout: float) -> tuple[list, float]:
+    """The ranks whose process ended while their output pipe is still open,
+    and the poll's timeout, cut to wake at the first one's drain deadline."""
+    ending = [p for p in procs if p.ending_since is not None and not p.exited]
+    if ending:
+        timeout = max(0.0, min(timeout, min(p.ending_since for p in ending) + END_DRAIN_S - time.monotonic()))
+    return ending, timeout
+
+
+def _read_to_end(procs: list, out: list, child_ends: Optional[list]) -> None:
+    """Every stopped rank's output pipe, to its end, for at most
+    ``END_DRAIN_S`` in all. ``child_ends``: the copies of the ranks' ends
+    this process still holds, closed first (None: the starter may still
+    fork with them; the pipes are read as they are)."""
+    to_end = child_ends is not None
+    for end in child_ends or ():
+        end.close()
+    until = time.monotonic() + END_DRAIN_S
+    for p in procs:
+        while p.output.open and p.proc.pid is not None:
+            p.output.read(out, max_reads=None, until=until)
+            if not to_end or not p.output.open or time.monotonic() >= until:
+                break
+            wait([p.output.conn], max(0.0, until - time.monotonic()))
+        if p.output.open:
+            if to_end and p.proc.pid is not None:
+                p.output.note(out, f"a process rank {_label(p)} started still holds its output open; "
+                                   f"what it writes after the stop is not kept")
+            p.output.end(out)
+            p.output.open = False
 
 
 def _wait_for(event: threading.Event, errors: list) -> None:

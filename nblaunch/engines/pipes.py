@@ -108,7 +108,7 @@ class PoolPipes:
                 p, read = key.data
                 if not p.exited:
                     read(p, out)
-                if p.exited or not p.events.open or not p.output.open:
+                if p.exited or not p.events.open or not p.output.open or getattr(p, "ending_since", None) is not None:
                     self._forget(p)
 
     def _watch_also(self, also: tuple) -> None:
@@ -123,8 +123,9 @@ class PoolPipes:
         self._also = set(also)
 
     def _forget(self, p) -> None:
+        ending = p.exited or getattr(p, "ending_since", None) is not None  # its process ended
         for fd, gone in ((p.events.fileno, not p.events.open or p.exited),
-                         (p.output.conn.fileno(), not p.output.open or p.exited), (p.proc.sentinel, p.exited)):
+                         (p.output.conn.fileno(), not p.output.open or p.exited), (p.proc.sentinel, ending)):
             for selector in (self.all, self.urgent):
                 if gone and fd in selector.get_map():
                     selector.unregister(fd)

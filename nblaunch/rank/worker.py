@@ -170,6 +170,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
             payload, shared = dump_result(spec.rank, value)
             check_size(spec.rank, value, len(payload) + shared)
             finish_call()
+            _flush_output()  # what fn printed reaches the pipe before its result: the kernel reads it first
             sender.send(Result(spec.local_rank, payload, shared, call=call.id, seq=group_seq(), time=ended,
                                exited=exited))
             del value
@@ -184,6 +185,7 @@ def _serve(spec: WorkerSpec, sender: EventSender, go: Connection, calls) -> bool
                 finish_call()
             except Exception:
                 pass
+            _flush_output()
             report(sender, spec.local_rank, phase, exc, call=call.id, seq=group_seq())
             del exc
             ok = False
@@ -238,6 +240,12 @@ def _leave(code: int) -> None:
         lifeline.end_children()
     except Exception:
         pass
+    _flush_output()
+    os._exit(code)
+
+
+def _flush_output() -> None:
+    """What the rank wrote and still buffers, into its pipe."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -247,4 +255,3 @@ def _leave(code: int) -> None:
     # buffered on a pipe), which os._exit would throw away.
     if linux.fflush is not None:
         linux.fflush(None)
-    os._exit(code)

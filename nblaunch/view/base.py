@@ -14,6 +14,12 @@ from .state import LOG_TAIL, MAX_BYTES_PER_S, MAX_LINE_CHARS, MAX_LINES_PER_S, L
 
 __all__ = ["View", "in_kernel"]
 
+# Of a rank's lines the rate left out, its last ones are shown as its call
+# ends (what it printed last is what tells what went wrong): this many per
+# rank, and this many in all.
+LAST_UNSHOWN = 5
+LAST_UNSHOWN_ALL = 100
+
 
 class _Budget:
     """A token bucket: ``rate`` a second, at most ``burst`` saved up."""
@@ -40,6 +46,7 @@ class View:
     def __init__(self):
         self.state = LaunchState()
         self._hidden: collections.Counter = collections.Counter()
+        self._unshown: dict = {}  # rank -> its last lines left out, since its last line shown
         self._lines = _Budget(MAX_LINES_PER_S, burst=self.BURST_LINES)
         self._bytes = _Budget(MAX_BYTES_PER_S, burst=4 * MAX_BYTES_PER_S)
 
@@ -93,7 +100,24 @@ class View:
             self._bytes.tokens -= cost
             shown.append(line)
         self._hidden[rank] += len(lines) - len(shown)
+        if len(shown) < len(lines):
+            self._unshown.setdefault(rank, collections.deque(maxlen=LAST_UNSHOWN)).extend(
+                lines[len(shown):][-LAST_UNSHOWN:])
+        elif shown:
+            self._unshown.pop(rank, None)
         return shown
+
+    def _last_unshown(self) -> list[tuple[int, str]]:
+        """``(rank, line)``: each rank's last lines the rate left out, for the
+        view's end (no longer counted as not shown)."""
+        out: list = []
+        for rank in sorted(self._unshown):
+            room = LAST_UNSHOWN_ALL - len(out)
+            lines = list(self._unshown[rank])[-room:] if room > 0 else []
+            self._hidden[rank] = max(0, self._hidden[rank] - len(lines))
+            out += [(rank, line) for line in lines]
+        self._unshown.clear()
+        return out
 
     def _hidden_notices(self) -> list[str]:
         notices = [f"[nblaunch] rank {rank}: {count} more lines not shown here; "

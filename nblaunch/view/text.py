@@ -43,10 +43,13 @@ class TextDisplay(View):
         rank = self.state.label(rank)
         if self._strip is None:
             self._strip = not _renders_colour(self.stream)
-        shown = [clip(line) for line in self._admit(rank, lines)]
+        self._pending.extend(self._tagged(rank, self._admit(rank, lines)))
+
+    def _tagged(self, rank: int, lines: list[str]) -> list[str]:
+        shown = [clip(line) for line in lines]
         if self._strip:
             shown = [ansi.strip(line) for line in shown]
-        self._pending.extend(f"[rank {rank}] {line}\n" for line in shown)
+        return [f"[rank {rank}] {line}\n" for line in shown]
 
     def notice(self, text: str) -> None:
         self.state.notices.append(text)
@@ -71,6 +74,10 @@ class TextDisplay(View):
 
     def close(self, state: str) -> None:
         self.state.end(state)
+        last = self._last_unshown()  # after the count of the lines left out, each rank's last ones
+        self._pending.extend(f"{notice}\n" for notice in self._hidden_notices())
+        for rank, line in last:
+            self._pending.extend(self._tagged(rank, [line]))
         if self._show_status:
             summary = f" | {self.state.summary()}" if self.state.has_progress else ""
             self._pending.append(f"[nblaunch] {state} in {self.state.elapsed():.1f} s{summary}\n"

@@ -98,8 +98,7 @@ class WidgetDisplay(View):
 
     def rank_lines(self, rank: int, lines: list[str]) -> None:
         rank = self.state.label(rank)
-        tag = f"<span style='color:{PALETTE[rank % len(PALETTE)]}'>[rank {rank}]</span> "
-        self._new_lines.extend(tag + ansi.to_html(clip(line)) for line in self._admit(rank, lines))
+        self._new_lines.extend(_tagged(rank, line) for line in self._admit(rank, lines))
         if self._live.pop(rank, None) is not None:
             self._live_changed = True
 
@@ -146,6 +145,9 @@ class WidgetDisplay(View):
         self.show()  # a launch that failed before its ranks started still gets its view
         self._live.clear()
         self._live_changed = True
+        last = self._last_unshown()  # after the count of the lines left out, each rank's last ones
+        self._new_lines += [f"<span style='color:#ef6c00'>{html.escape(n)}</span>" for n in self._hidden_notices()]
+        self._new_lines += [_tagged(rank, line) for rank, line in last]
         self._draw()
         final = {"text/html": self.static_html(), "text/plain": self.static_text()}
         if self._handle is None and self._given_handle is not None:
@@ -271,3 +273,8 @@ _Static.jslink = staticmethod(lambda *_: None)
 
 
 _PAGE_OPEN = "<pre class='nblaunch-log' style='margin:0;font-size:85%;white-space:pre-wrap;word-break:break-all'>"
+
+
+def _tagged(rank: int, line: str) -> str:
+    """A rank's line in the log pane."""
+    return f"<span style='color:{PALETTE[rank % len(PALETTE)]}'>[rank {rank}]</span> " + ansi.to_html(clip(line))
