@@ -113,4 +113,4 @@ def notebook_launcher(
             return Session(config, live=False, kept_in=made).launch(fn, args, kwargs)
         finally:
             for session in made:
-                session.release()
+                session.release_engine()

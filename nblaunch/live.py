@@ -141,7 +141,7 @@ class Ranks:
         pool = session.pool
         if self._closed or pool is None:
             return "closed"
-        dead = [pool.global_rank(r) for r in range(pool.size) if not pool.alive(r)]
+        dead = [pool.global_rank(r) for r in range(pool.size) if not pool.up_now(r)]
         engine = session.engine
         what = f"{self.num_processes} ranks ({engine.method}, {engine.backend or 'no process group'})"
         if dead:

@@ -69,13 +69,13 @@ class Session:
     made and where), the current :class:`~nblaunch.engines.pool.RankPool` and the
     restarts. A launch (:meth:`launch`) is a session whose ranks serve one
     call and end; with ``max_restarts`` a failed generation is replaced.
-    Live ranks (:meth:`open`, :meth:`call`, :meth:`close`) serve calls until
+    Live ranks (:meth:`open`, :meth:`call`, :meth:`close_ranks`) serve calls until
     closed, and a generation that can no longer be trusted is replaced
     before the next call. Each call is one :class:`~nblaunch.watch.call.CallWatch`."""
 
     def __init__(self, config: LaunchConfig, live: bool, kept_in: Optional[list] = None):
         if kept_in is not None:
-            kept_in.append(self)  # first: its maker releases it (``release``) whatever comes next
+            kept_in.append(self)  # first: its maker releases it (``release_engine``) whatever comes next
         self.config, self.live = config, live
         self.pool: Optional[RankPool] = None
         self.restarts = 0
@@ -92,7 +92,7 @@ class Session:
         self.engine: Engine = engine_for(config, live=live, owner=self)
         self.world_size = self.engine.world_size
 
-    def release(self) -> None:
+    def release_engine(self) -> None:
         """Close the engine, if made (not if its making was interrupted), and leave the launches in
         flight, safe twice (a press before the engine was handed back left it in flight for good)."""
         try:
@@ -116,7 +116,7 @@ class Session:
             global_method = multiprocessing.get_start_method(allow_none=True)
             return self._attempts(fn, args, kwargs)
         finally:
-            self.release()
+            self.release_engine()
             if global_method is None:  # spawn and forkserver starts fix multiprocessing's default
                 multiprocessing.set_start_method(None, force=True)
 
@@ -249,11 +249,11 @@ class Session:
 
     def restart(self) -> None:
         """Replace the live ranks with a new generation (their state is lost)."""
-        self.close()
+        self.close_ranks()
         self.restarts += 1
         self.open()
 
-    def close(self) -> None:
+    def close_ranks(self) -> None:
         """End the live ranks (safe twice, from a finalizer, and before its making was done)."""
         pool, self.pool = getattr(self, "pool", None), None
         if pool is not None:
@@ -262,9 +262,9 @@ class Session:
     def end(self) -> None:
         """Close the ranks for good, and give back what the engine holds (an allocation it asked for)."""
         try:
-            self.close()
+            self.close_ranks()
         finally:
-            self.release()
+            self.release_engine()
 
 
 def _shut(pool: RankPool) -> None:

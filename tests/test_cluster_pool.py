@@ -115,7 +115,7 @@ def test_a_nodes_events_carry_the_ranks_number_in_the_whole_job():
         assert got[0] == Lines(2, ["hello from node 1"])  # node 1's local rank 0 is rank 2
         assert got[1] == Message(3, Started(3, 4242, 0.0))  # and the event inside says so too
         assert got[2] == Exited(3, 0)
-        assert pool.started(3) and pool.exited(3) and not pool.exited(2)
+        assert pool.started(3) and pool.exit_seen(3) and not pool.exit_seen(2)
         assert pool.node(3) == 1 and pool.host(3) == "host1" and pool.tail(2) == ("hello from node 1",)
         assert (pool.log_dir / "rank2.log").read_text() == "hello from node 1\n"
     finally:
@@ -130,7 +130,7 @@ def test_an_engine_ending_a_node_is_that_nodes_failure_before_its_ranks_deaths()
         got = _all_events(pool, 4)
         assert got[:2] == [Lost(2, f"(host1) {why}"), Lost(3, f"(host1) {why}")]
         assert got[2:4] == [Exited(2, -15), Exited(3, -15)]
-        assert not pool.alive(2) and pool.alive(0)
+        assert not pool.up_now(2) and pool.up_now(0)
     finally:
         pool.close()
 

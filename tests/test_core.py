@@ -126,10 +126,10 @@ class FakePool(RankPool):
     def node(self, rank: int):
         return None
 
-    def exited(self, rank: int) -> bool:
+    def exit_seen(self, rank: int) -> bool:
         return rank in self._exited
 
-    def ended(self, rank: int) -> bool:
+    def ended_now(self, rank: int) -> bool:
         return rank in self._exited or rank in self._dying
 
     def started(self, rank: int) -> bool:

@@ -53,10 +53,10 @@ class _Pool:
     def node_name(self, rank):
         return None
 
-    def ended(self, rank):
+    def ended_now(self, rank):
         return False
 
-    def exited(self, rank):
+    def exit_seen(self, rank):
         return False
 
     def signal(self, sig, ranks):

@@ -298,7 +298,7 @@ class AgentPool(RankPool):
     def host(self, rank: int) -> Optional[str]:
         return self._agents[rank // self.per_node].name if self._agents else None
 
-    def alive(self, rank: int) -> bool:
+    def up_now(self, rank: int) -> bool:
         return not self._ranks[rank].exited and bool(self._agents) and self._agent_of(rank).open
 
     def gpu_devices(self) -> dict:

@@ -275,7 +275,7 @@ class LocalPool(RankPool):
                 for r in ranks}
         return collectives(collect(live), live)
 
-    def ended(self, rank: int) -> bool:
+    def ended_now(self, rank: int) -> bool:
         p = self._procs[rank]
         if p.exited or p.proc.pid is None:
             return p.exited
@@ -283,7 +283,7 @@ class LocalPool(RankPool):
         # be dead and not yet reaped (and so heard of) by it.
         return p.proc.exitcode is not None or not is_running(p.proc.pid)
 
-    def alive(self, rank: int) -> bool:
+    def up_now(self, rank: int) -> bool:
         p = self._procs[rank]
         return p.proc.pid is not None and p.proc.exitcode is None and is_running(p.proc.pid)
 

@@ -190,16 +190,17 @@ class RankPool(abc.ABC):
     def node(self, rank: int) -> Optional[int]:
         return self.facts[rank].node
 
-    def exited(self, rank: int) -> bool:
+    def exit_seen(self, rank: int) -> bool:
+        """A poll has reported its exit (what the watch knows)."""
         return self.facts[rank].exited
 
-    def ended(self, rank: int) -> bool:
-        """Its process has ended, whether or not a poll has said so yet."""
+    def ended_now(self, rank: int) -> bool:
+        """Its process has ended, checked now, whether or not a poll has said so yet."""
         return self.facts[rank].exited
 
-    def alive(self, rank: int) -> bool:
-        """Still up, checked now (even between calls)."""
-        return not self.ended(rank)
+    def up_now(self, rank: int) -> bool:
+        """Started and still up, checked now (even between calls)."""
+        return not self.ended_now(rank)
 
     def started(self, rank: int) -> bool:
         """It reported ``Started``: its stack handler is armed."""

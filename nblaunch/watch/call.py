@@ -145,11 +145,11 @@ class CallWatch:
 
     def _over(self) -> bool:
         """A launch waits for its ranks to exit."""
-        return all(self._pool.exited(r) for r in range(self._pool.size))
+        return all(self._pool.exit_seen(r) for r in range(self._pool.size))
 
     def _in_call(self) -> list[int]:
         """The ranks still in this call: no result, no failure, not ended."""
-        return [r for r, p in enumerate(self._parts) if not p.done and not self._pool.exited(r)]
+        return [r for r, p in enumerate(self._parts) if not p.done and not self._pool.exit_seen(r)]
 
     def _call_over(self) -> bool:
         """Every rank has returned, failed or ended (a held consequence's cause is then in)."""
@@ -389,7 +389,7 @@ def _note_signals(parts: list[_Part], pool: RankPool, sigs: tuple) -> None:
     """What a rank's death will be judged by: whether nblaunch stopped it
     while it was still in the call, and with which signals."""
     for r, part in enumerate(parts):
-        if pool.ended(r):  # a rank that died on its own: its death is its own failure
+        if pool.ended_now(r):  # a rank that died on its own: its death is its own failure
             continue
         if not part.done:
             part.stopped = True

@@ -82,7 +82,7 @@ class LiveCallWatch(CallWatch):
         """Ranks whose process groups issued different numbers of collectives
         would pair their next one with the wrong operation: given up."""
         seqs = {self._pool.global_rank(r): p.seq for r, p in enumerate(self._parts)
-                if not self._pool.exited(r) and p.seq >= 0}
+                if not self._pool.exit_seen(r) and p.seq >= 0}
         if not self.broken and len(set(seqs.values())) > 1:
             counts = ", ".join(f"rank {rank}: {n}" for rank, n in sorted(seqs.items()))
             self._break(f"the ranks' process group is out of step (collectives issued: {counts})")
