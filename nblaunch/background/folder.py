@@ -12,7 +12,8 @@
 - ``stop``: ``run.stop()`` was asked (its SIGTERM is then a stop, not SLURM's notice).
 
 Each file is written whole (:func:`~nblaunch.system.files.write_atomically`)
-and pickles a plain dict, the same keys since detached runs began: a folder
+and pickles a plain dict, the same keys since detached runs began (one
+added: ``outcome.pkl``'s results pickled apart, ``results_pickled``): a folder
 written by an earlier nblaunch is still listed, attached and forgotten (a
 class it names from a module that moved since is found where it is now).
 """
