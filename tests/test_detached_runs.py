@@ -125,6 +125,10 @@ def test_a_run_outlives_its_killed_kernel_and_another_kernel_attaches(runs_dir, 
         shown = "".join(widget_html(r.outputs))
         assert "printed while away 2" in shown and "before the kernel died" in shown
         assert "away" in shown and "loss" in shown  # the progress rows and the metric history
+        r = b.execute("nblaunch.runs(all=True)")  # in a notebook: a table, each run's state and progress
+        [table] = [m["content"]["data"]["text/html"] for m in r.outputs if m["msg_type"] == "execute_result"]
+        assert f"<td style='text-align:left'>{run_id}</td><td style='text-align:left'>running</td>" in table
+        assert "away 3/3 (100%)" in table, table
         open(later, "w").close()
         r = b.execute("print('RESULT', run.result(timeout=120), run.status)\nrun.forget()\n"
                       "print('AFTER', nblaunch.runs(all=True))\n")

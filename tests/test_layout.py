@@ -28,7 +28,7 @@ ENGINE_NAMES = {"LocalEngine", "ElasticEngine", "AgentEngine", "SlurmEngine", "R
 # (the public calls and the package itself) stand last.
 ROOMS = ["system", "registry", "wire", "rank", "errors", "clusters", "outcome", "config", "engines", "view", "watch",
          "session", "background", "doors"]
-DOORS = {"launcher", "live", "magic", "demo", "nblaunch"}
+DOORS = {"launcher", "live", "magic", "demo", "nblaunch", "__main__"}
 
 
 def _modules() -> dict[str, tuple[Path, ast.Module]]:

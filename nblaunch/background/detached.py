@@ -41,10 +41,11 @@ from ..session import LaunchResults
 from ..view import WidgetDisplay, make_display
 from ..wire.payload import CloudJob
 
-__all__ = ["start_detached", "attach", "detached_runs", "runs_root", "FOLLOW_EVERY_S"]
+__all__ = ["start_detached", "attach", "detached_run", "detached_runs", "runs_root", "FOLLOW_EVERY_S"]
 
 FOLLOW_EVERY_S = 0.2
 _LINE = re.compile(r"\[rank (\d+)\] (.*)", re.S)
+RUN_ID = re.compile(r"[\w.-]+")  # a folder's name under runs_root(), never a path
 
 
 def runs_root() -> Path:
@@ -68,6 +69,7 @@ class DetachedRun(Run):
         self.run_dir = folder.path
         self._proc = proc  # the supervisor, where this kernel started it (reaped here)
         self._lock = threading.Lock()
+        self._ended: Optional[Ended] = None  # its outcome once read; the results unpickled on result() only
 
     # -- what is on disk -------------------------------------------------------------
 
@@ -79,6 +81,18 @@ class DetachedRun(Run):
     def done(self) -> bool:
         self.refresh()
         return self._done.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> LaunchResults:
+        super().result(timeout)
+        with self._lock:
+            if self._results is None and self._ended is not None and self._ended.status == "finished":
+                ended = self._ended
+                self._results = LaunchResults(ended.loaded_results(), ended.log_dir, ended.log_files)
+        return self._results
+
+    def view_state(self):
+        snapshot = self.folder.state()
+        return None if snapshot is None else snapshot.state
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -116,8 +130,9 @@ class DetachedRun(Run):
 
     def _conclude(self, ended: Ended) -> None:
         self.log_dir = ended.log_dir or self.log_dir
+        self._ended, self.ended_at = ended, ended.ended or time.time()
         if ended.status == "finished":
-            self._finish(Outcome.finished(LaunchResults(ended.results, ended.log_dir, ended.log_files)))
+            self._finish(Outcome.finished(None))  # the results: read by result(), not by every look at the run
             return
         error = ended.error
         if isinstance(error, WorkerError):  # its traceback did not travel: %debug opens the rank's frames
@@ -156,21 +171,28 @@ class DetachedRun(Run):
 
     # -- the view -------------------------------------------------------------------------
 
-    def follow(self) -> None:
+    def follow(self, display: Optional[str] = None, wait: bool = False) -> None:
         """Draw the run's view in the current cell (its history at once)
-        and keep it moving, from a thread, until the run ends."""
-        if self.config.display == "none":
+        and keep it moving, from a thread, until the run ends; ``display``
+        (the run's own by default): ``"text"`` for a terminal; ``wait``:
+        follow it in this thread, returning once it ended (an interrupt
+        leaves the run going)."""
+        display = display or self.config.display
+        if display == "none":
             return
         handle = None
-        if config_shows_widgets(self.config.display):
+        if config_shows_widgets(display):
             from IPython.display import HTML, display
 
             handle = display(HTML(f"<i>nblaunch: run {self.id}</i>"), display_id=True)
         view = (WidgetDisplay(handle=handle, keep_widgets=True) if handle is not None
-                else make_display(self.config.display))
+                else make_display(display))
         self._views.append(view)
         drawn = {"snapshot": None, "lines": 0, "generation": -1}  # what this view shows
         self._draw(view, self.refresh(), drawn)
+        if wait:
+            self._follow(view, drawn)
+            return
         threading.Thread(target=contextvars.copy_context().run, args=(self._follow, view, drawn),
                          name=f"nblaunch-follow-{self.id}", daemon=True).start()
 
@@ -244,13 +266,20 @@ def attach(run_id: str) -> DetachedRun:
         if run.id == run_id and run.detached:
             run.follow()
             return run
-    run = _read(RunFolder(runs_root() / str(run_id)))
+    run = detached_run(str(run_id))
     if run is None:
         known = ", ".join(r.id for r in detached_runs()) or "none"
         raise LaunchError(f"no detached run {run_id!r} under {runs_root()} (detached runs: {known})")
     run.follow()
     registry.add_run(run)
     return run
+
+
+def detached_run(run_id: str) -> Optional[DetachedRun]:
+    """The detached run ``run_id`` read from its folder, or None if there is none."""
+    if not RUN_ID.fullmatch(run_id) or run_id.strip(".") == "":
+        raise ValueError(f"{run_id!r} is not a run id (e.g. 1207-142203-1-a3f9: see nblaunch.runs(all=True))")
+    return _read(RunFolder(runs_root() / run_id))
 
 
 def detached_runs() -> list:

@@ -12,7 +12,8 @@
 - ``stop``: ``run.stop()`` was asked (its SIGTERM is then a stop, not SLURM's notice).
 
 Each file is written whole (:func:`~nblaunch.system.files.write_atomically`)
-and pickles a plain dict, the same keys since detached runs began: a folder
+and pickles a plain dict, the same keys since detached runs began (one
+added: ``outcome.pkl``'s results pickled apart, ``results_pickled``): a folder
 written by an earlier nblaunch is still listed, attached and forgotten (a
 class it names from a module that moved since is found where it is now).
 """
@@ -66,7 +67,9 @@ class Snapshot:
 class Ended:
     """``outcome.pkl``: the run's status, and its results (with where the
     logs are) or its error (with its text, kept where the error itself could
-    not be pickled)."""
+    not be pickled). On disk the results are pickled apart
+    (``results_pickled``) and read by :meth:`loaded_results` only: listing
+    runs never unpickles a tensor (and so never imports torch)."""
 
     status: str
     results: Optional[list] = None
@@ -75,6 +78,13 @@ class Ended:
     error: Optional[BaseException] = None
     error_text: str = ""
     ended: float = 0.0
+    results_pickled: Optional[bytes] = None
+
+    def loaded_results(self) -> Optional[list]:
+        """The results (unpickled now, once, where they were kept apart)."""
+        if self.results is None and self.results_pickled is not None:
+            self.results, self.results_pickled = _loads(self.results_pickled), None
+        return self.results
 
     @classmethod
     def of(cls, outcome: Outcome, log_dir: str) -> "Ended":
@@ -189,9 +199,11 @@ class RunFolder:
 
         record = _record(ended)
         try:
+            if record["results"] is not None:
+                record["results_pickled"], record["results"] = cloudpickle.dumps(record["results"]), None
             data = cloudpickle.dumps(record)
         except Exception as exc:  # noqa: BLE001 - the text survives any pickling problem
-            kept = {k: v for k, v in record.items() if k not in ("error", "results")}
+            kept = {k: v for k, v in record.items() if k not in ("error", "results", "results_pickled")}
             if ended.results is not None:
                 kept.update(status="failed", error_text=f"the results could not be kept: {exc!r}")
             data = cloudpickle.dumps(kept)

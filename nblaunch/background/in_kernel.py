@@ -88,6 +88,7 @@ class Run:
         self.config = config
         self.log_dir: Optional[str] = None
         self.started_at = time.time()
+        self.ended_at: Optional[float] = None
         self._status = "starting"
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -149,6 +150,12 @@ class Run:
         else:
             print(repr(self))
 
+    def view_state(self):
+        """The model of the run's newest view (``LaunchState``: each rank's
+        bars and metrics), or None before its first."""
+        view = self._views[-1] if self._views else None
+        return getattr(view, "state", None)
+
     def forget(self) -> None:
         """Drop the run from ``nblaunch.runs()`` (stopping it first if it still runs)."""
         if not self.done():
@@ -175,6 +182,7 @@ class Run:
         if isinstance(error, RunStopped):
             error = error.named(self.id)
         self._results, self._error = outcome.results, error
+        self.ended_at = self.ended_at or time.time()
         with _done_lock:
             self._status = outcome.status
             self._done.set()

@@ -10,6 +10,7 @@ from .detached import detached_runs, start_detached
 from ..errors import refuse_inside_a_rank
 from .. import registry
 from .in_kernel import Run, new_id, start_here
+from .listing import RunList
 
 __all__ = ["submit", "runs"]
 
@@ -52,13 +53,15 @@ def _check_devices_free(config: LaunchConfig) -> None:
                              f"give this run other GPUs, or stop that one first (run.stop())")
 
 
-def runs(all: bool = False) -> list:
+def runs(all: bool = False) -> RunList:
     """This kernel's runs, oldest first; ``all=True``: with every detached
-    run of this machine (from other kernels too, or from before a restart)."""
+    run of this machine (from other kernels too, or from before a restart).
+    A list, shown in a notebook as a table: each run's id, state, ranks,
+    progress, when it started and how long it ran."""
     mine = registry.runs()
     if not all:
-        return mine
+        return RunList(mine)
     known = {r.id for r in mine}
-    return mine + [r for r in detached_runs() if r.id not in known]
+    return RunList(mine + [r for r in detached_runs() if r.id not in known])
 
 
