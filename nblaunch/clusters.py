@@ -1,13 +1,14 @@
 """The cluster specs a launch may be given as ``cluster=``: where its ranks
 run, checked when made. Plain data: the engines that act on them
-(:mod:`nblaunch.engines.slurm`, :mod:`nblaunch.engines.ray`) import these,
+(:mod:`nblaunch.engines.slurm`, :mod:`nblaunch.engines.ray`,
+:mod:`nblaunch.engines.spark`) import these,
 never the other way round."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["Slurm", "Ray"]
+__all__ = ["Slurm", "Ray", "Spark"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,33 @@ class Ray:
 
     def __hash__(self):
         return hash((self.address, self.nodes, tuple(sorted(self.resources_per_rank.items()))))
+
+
+@dataclass(frozen=True)
+class Spark:
+    """``cluster=nblaunch.Spark(...)``: ranks on the executors of a Spark application.
+
+    ``session``: the ``SparkSession`` whose executors run the ranks (None:
+    the notebook's active one). It stays in this kernel: a pickled
+    ``Spark`` (sent to the nodes with the launch) leaves it out. ``nodes``:
+    how many barrier tasks, each one node's agent with ``num_processes``
+    ranks (None: one per executor). GPUs come from Spark's task resources
+    (``spark.task.resource.gpu.amount``): a task's GPUs are its ranks'.
+    """
+
+    nodes: Optional[int] = None
+    session: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
+                                       or self.nodes < 1):
+            raise ValueError(f"Spark(nodes=...) must be a positive int or None, got {self.nodes!r}")
+        if self.session is not None and not hasattr(self.session, "sparkContext"):
+            raise TypeError(f"Spark(session=...) must be a SparkSession or None, got {type(self.session).__name__}")
+
+    def __getstate__(self):
+        return {"nodes": self.nodes, "session": None}  # a session is the kernel's: never sent
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Callable, Optional
 
-from .clusters import Ray, Slurm
+from .clusters import Ray, Slurm, Spark
 from .rank.results import max_result_bytes
 from .system.network import route_address
 
@@ -137,16 +137,17 @@ def _check_ranks(c: LaunchConfig) -> None:
 
 
 def _check_cluster(c: LaunchConfig) -> None:
-    """``cluster``: made a :class:`~nblaunch.engines.slurm.Slurm` or
-    :class:`~nblaunch.engines.ray.Ray`; ``num_nodes`` then means how many of
+    """``cluster``: made a :class:`~nblaunch.clusters.Slurm`,
+    :class:`~nblaunch.clusters.Ray` or :class:`~nblaunch.clusters.Spark`; ``num_nodes`` then means how many of
     its nodes (1, the default: all of them; see :func:`_check_counts`)."""
     if c.cluster is None:
         return
-    if isinstance(c.cluster, str) and c.cluster.lower() in ("slurm", "ray"):
-        object.__setattr__(c, "cluster", Slurm() if c.cluster.lower() == "slurm" else Ray())
-    elif not isinstance(c.cluster, (Slurm, Ray)):
-        raise ValueError(f"cluster must be None, 'slurm', 'ray', nblaunch.Slurm(...) or nblaunch.Ray(...), "
-                         f"got {c.cluster!r}")
+    specs = {"slurm": Slurm, "ray": Ray, "spark": Spark}
+    if isinstance(c.cluster, str) and c.cluster.lower() in specs:
+        object.__setattr__(c, "cluster", specs[c.cluster.lower()]())
+    elif not isinstance(c.cluster, tuple(specs.values())):
+        raise ValueError(f"cluster must be None, 'slurm', 'ray', 'spark', nblaunch.Slurm(...), nblaunch.Ray(...) "
+                         f"or nblaunch.Spark(...), got {c.cluster!r}")
     if c.rdzv_endpoint is not None or c.node_rank is not None:
         raise ValueError("cluster=... starts the ranks on every node itself; rdzv_endpoint and node_rank are for "
                          "a launch run by hand on each machine. Leave them out.")
@@ -181,7 +182,7 @@ def _check_resilience(c: LaunchConfig) -> None:
         raise TypeError(f"min_nodes must be an int or None, got {type(m).__name__}: {m!r}")
     if c.cluster is None and c.num_nodes == 1:
         raise ValueError("min_nodes is for a launch on several nodes (num_nodes > 1 with rdzv_endpoint, or "
-                         "cluster='slurm' or 'ray'); on one machine there is no node to lose")
+                         "cluster='slurm', 'ray' or 'spark'); on one machine there is no node to lose")
     if c.cluster is None and c.rdzv_backend == "static":
         raise ValueError("min_nodes needs rdzv_backend='c10d': with 'static' every node keeps the node_rank it was "
                          "given and node 0 hosts the rendezvous, so the others cannot meet again without a lost "

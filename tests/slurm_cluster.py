@@ -1,7 +1,7 @@
 """Whether a SLURM cluster of two (or three) nodes is up here (``.ci/slurm``
 starts one of three), for the SLURM tests and the SLURM tutorial notebooks; loaded as a pytest
 plugin (``-p slurm_cluster`` in pyproject.toml), it leaves that notebook out
-where SLURM is not up."""
+where SLURM is not up (and the Spark tutorial out of the README's command)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +46,25 @@ def pytest_ignore_collect(collection_path, config):
         return True
     if collection_path.name == "09_lost_node.ipynb" and why_not(nodes=3):
         return True
+    if collection_path.name == "10_spark.ipynb":
+        return _spark_notebook_left_out(config)
     return None
+
+
+def _spark_notebook_left_out(config) -> bool:
+    """The Spark tutorial runs with the Spark group (``.ci/run``: ``-m ''``
+    on it alone), not in the README's command, whose ``-m`` leaves Spark
+    out (three JVMs); nor where pyspark or Java is missing, unless
+    ``NBLAUNCH_REQUIRE_SPARK`` is set, when that is an error."""
+    if "not spark" in (config.option.markexpr or ""):
+        return True
+    import importlib.util
+
+    why = ("" if shutil.which("java") else "Java is not installed") or (
+        "" if importlib.util.find_spec("pyspark") else "pyspark is not installed")
+    if why and os.environ.get("NBLAUNCH_REQUIRE_SPARK"):
+        raise RuntimeError(f"NBLAUNCH_REQUIRE_SPARK is set, but {why}")
+    return bool(why)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..clusters import Spark
 from ..config import LaunchConfig, check_call
 from .detached import detached_runs, start_detached
 from ..errors import refuse_inside_a_rank
@@ -32,6 +33,9 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, 
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be True or False, got {detach!r}")
     config = LaunchConfig(num_processes, cpus=cpus, devices=devices, background=True, **options)
+    if detach and isinstance(config.cluster, Spark):
+        raise ValueError("detach=True needs the run to outlive this kernel, and a Spark application lives in its "
+                         "driver (this kernel): its executors end with it. Submit without detach=True")
     refuse_inside_a_rank("nblaunch.submit")
     with registry.submitting:  # two submits at once cannot both take the same free GPUs
         _check_devices_free(config)

@@ -1,0 +1,250 @@
+"""Ranks on the executors of a real Spark application (issue 49).
+
+One kernel for the module holds a ``local-cluster[2,1,1024]`` session (two
+executor JVMs on this host, pip's pyspark, Java 17), made once: what a
+Databricks user's notebook has. Marked ``spark``: the README's test command
+leaves them out (pyspark is an extra and each session starts three JVMs),
+``.ci/run`` runs them (``pytest -m spark``). Without pyspark or Java they
+skip, unless ``NBLAUNCH_REQUIRE_SPARK`` is set (CI), when they fail.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import Kernel, _descendants, wait_gone
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+try:
+    import pyspark  # noqa: F401
+    _WHY_NOT = "" if shutil.which("java") else "Java is not installed (apt-get install openjdk-17-jre-headless)"
+except ImportError:
+    _WHY_NOT = "pyspark is not installed (pip install -e '.[spark]')"
+if _WHY_NOT and os.environ.get("NBLAUNCH_REQUIRE_SPARK"):
+    raise RuntimeError(f"NBLAUNCH_REQUIRE_SPARK is set, but {_WHY_NOT}")
+if _WHY_NOT:
+    pytest.skip(_WHY_NOT, allow_module_level=True)
+
+MARK = "NBLAUNCH_SPARK_TEST"  # in the kernel's environment, which the agents (and ranks) get
+SESSION = """
+import os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false")
+         .config("spark.executor.memory", "900m").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+"""
+
+
+def _ours() -> list[psutil.Process]:
+    """This module's agents and their ranks (forked agents: the same command line), zombies aside."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE or "nblaunch.engines.agent" not in " ".join(
+                    p.info["cmdline"] or []):
+                continue
+            if p.environ().get(MARK) == str(os.getpid()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _nothing_left(timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _ours() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in _ours()]
+    assert not left, f"agents or ranks left on the executors: {left}"
+
+
+def _ok(result) -> str:
+    assert result.error is None, "\n".join(result.error["traceback"])
+    return result.text
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """conftest's, less the Spark application's own processes (its JVMs and
+    Python workers, which it keeps for the module's session): what a launch
+    starts (agents, ranks) must be gone."""
+    before = set(_descendants())
+    yield
+    leftover = [pid for pid in _descendants() if pid not in before and not _sparks(pid)]
+    still = wait_gone(leftover, timeout=10)
+    assert not still, f"processes left behind: {still}"
+
+
+def _sparks(pid: int) -> bool:
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return "pyspark.daemon" in cmd or "pyspark.worker" in cmd or "org.apache.spark" in cmd
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(extra_env={MARK: str(os.getpid())})
+    try:
+        _ok(k.execute(SESSION, timeout=240))
+        yield k
+    finally:
+        k.shutdown()
+        _nothing_left()
+
+
+@pytest.fixture
+def spark_kernel(kernel):
+    yield kernel
+    _nothing_left()
+
+
+def test_every_rank_runs_on_an_executor_with_its_result_and_output(spark_kernel):
+    text = _ok(spark_kernel.execute("""
+import os, time, nblaunch
+os.environ["FROM_THE_NOTEBOOK"] = "yes"
+def where():
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} here", flush=True)
+    return dist.get_rank(), int(os.environ["NODE_RANK"]), t.item(), os.environ.get("FROM_THE_NOTEBOOK")
+out = nblaunch.notebook_launcher(where, num_processes=2, cluster="spark", display="text")
+print(list(out))""", timeout=240))
+    # One node per executor, every rank's result in rank order, with the kernel's environment.
+    assert "[(0, 0, 4.0, 'yes'), (1, 0, 4.0, 'yes'), (2, 1, 4.0, 'yes'), (3, 1, 4.0, 'yes')]" in text, text
+    for r in range(4):
+        assert f"[rank {r}] rank {r} here" in text, text
+
+
+def test_a_failing_rank_is_named_with_its_executor_and_spark_reruns_nothing(spark_kernel):
+    _ok(spark_kernel.execute("""
+import time, nblaunch
+def fn():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 3:
+        time.sleep(0.5)
+        raise ValueError("bad shard on the second executor")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+"""))
+    r = spark_kernel.execute("nblaunch.notebook_launcher(fn, num_processes=2, cluster='spark', display='text')",
+                             timeout=240)
+    assert r.error is not None and r.error["ename"] == "WorkerError"
+    tb = "\n".join(r.error["traceback"])
+    assert re.search(r"rank 3 on [\w.-]+ \(executor \d+\) raised ValueError: bad shard on the second executor", tb), tb
+    # Spark saw every task succeed: no stage was attempted twice, no task failed.
+    text = _ok(spark_kernel.execute("""
+st = spark.sparkContext.statusTracker()
+stages = [st.getStageInfo(s) for j in range(100) if st.getJobInfo(j) for s in st.getJobInfo(j).stageIds]
+print("attempts", sorted({s.currentAttemptId for s in stages if s}), "failed", sum(s.numFailedTasks for s in stages if s))
+"""))
+    assert "attempts [0] failed 0" in text, text
+
+
+def test_live_ranks_keep_state_and_the_stop_button_ends_every_rank(spark_kernel):
+    _ok(spark_kernel.execute("""
+import time, nblaunch
+ranks = nblaunch.start(1, cluster="spark", display="text")
+def bump():
+    global count
+    count = globals().get("count", 0) + 1
+    return count
+def spin():
+    print("spinning", flush=True)
+    while True:
+        time.sleep(0.01)
+""", timeout=240))
+    _ok(spark_kernel.execute("ranks.run(bump)"))
+    msg = spark_kernel.execute_async("ranks.run(spin)")
+    spark_kernel.wait_for_output("spinning", timeout=60)
+    time.sleep(0.5)  # every rank in its loop (the output of one is enough to know the call began)
+    spark_kernel.km.interrupt_kernel()
+    r = spark_kernel.wait_for_reply(msg, timeout=60)
+    assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
+    assert "[2, 2]" in _ok(spark_kernel.execute("print(ranks.run(bump, display='none'))"))  # state kept
+    _ok(spark_kernel.execute("ranks.close()"))
+    _nothing_left()
+
+
+def test_the_stop_button_ends_a_launch_and_its_spark_job(spark_kernel):
+    msg = spark_kernel.execute_async("""
+import time, nblaunch
+def wait():
+    print("waiting", flush=True)
+    time.sleep(120)
+nblaunch.notebook_launcher(wait, num_processes=1, cluster="spark", display="text")""")
+    spark_kernel.wait_for_output("waiting", timeout=120)
+    assert len(_ours()) >= 2 + 2  # an agent and a rank on each executor
+    t0 = time.monotonic()
+    spark_kernel.km.interrupt_kernel()
+    r = spark_kernel.wait_for_reply(msg, timeout=60)
+    assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - t0 < 20
+    _nothing_left()
+    assert "active []" in _ok(spark_kernel.execute("print('active', spark.sparkContext.statusTracker().getActiveJobsIds())"))
+
+
+def test_more_nodes_than_the_executors_hold_is_refused_before_any_task(spark_kernel):
+    r = spark_kernel.execute("nblaunch.notebook_launcher(print, num_processes=1, cluster=nblaunch.Spark(nodes=3))")
+    assert r.error is not None and r.error["ename"] == "LaunchError"
+    assert "run 2 tasks at once: a barrier stage of 3 tasks would wait forever" in r.error["evalue"], r.error
+
+
+def test_without_a_session_the_error_says_how_to_make_one():
+    import nblaunch
+
+    with pytest.raises(nblaunch.LaunchError, match=r"there is none: make one first \(spark = SparkSession"):
+        nblaunch.notebook_launcher(print, num_processes=1, cluster="spark")
+
+
+def test_detach_is_refused_on_spark_with_the_reason():
+    import nblaunch
+
+    with pytest.raises(ValueError, match="a Spark application lives in its driver"):
+        nblaunch.submit(print, num_processes=1, cluster="spark", detach=True)
+
+
+def test_a_spark_spec_is_picklable_and_leaves_its_session_in_the_kernel():
+    import nblaunch
+
+    class Session:
+        sparkContext = None
+
+        def __reduce__(self):
+            raise AssertionError("a session was pickled")
+
+    spec = nblaunch.Spark(nodes=2, session=Session())
+    back = pickle.loads(pickle.dumps(spec))
+    assert back == nblaunch.Spark(nodes=2) and back.session is None and hash(back) == hash(spec)
+    with pytest.raises(ValueError, match=r"Spark\(nodes=...\) must be a positive int"):
+        nblaunch.Spark(nodes=0)
+
+
+def test_a_local_mode_session_runs_the_ranks_here_and_says_so(tmp_path):
+    script = textwrap.dedent("""
+        import os, sys
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        from pyspark.sql import SparkSession
+        import nblaunch
+        spark = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
+        print(list(nblaunch.notebook_launcher(os.getpid, num_processes=2, cluster="spark", display="text")))
+        print("kernel", os.getpid())
+        spark.stop()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the SparkSession runs in local mode (one JVM, no executors): the ranks run on this machine" in done.stdout
+    assert re.search(r"\[\d+, \d+\]", done.stdout), done.stdout
