@@ -57,6 +57,7 @@ class LaunchConfig:
     max_restarts: int = 0
     min_nodes: Optional[int] = None  # with max_restarts: a lost node's generation restarts on the others if this many are up
     preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
+    node_lost_after: Optional[float] = None  # seconds without a heartbeat before a node is lost (None: lost_after())
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
     # A background run's share of the machine (nblaunch.background): CPU numbers
     # and GPU indices, made sorted tuples when checked (_check_share).
@@ -77,6 +78,12 @@ class LaunchConfig:
         object.__setattr__(self, "endpoint", endpoint)
         object.__setattr__(self, "addr", _node_address(self.master_addr, endpoint))
         _check_settings(self.addr)
+
+    @property
+    def lost_after(self) -> float:
+        """Seconds without a heartbeat after which a node (or, to a node's agent, the kernel) is
+        lost: ``node_lost_after``, else ``NBLAUNCH_NODE_LOST_AFTER``, else :data:`LOST_AFTER_S`."""
+        return float(self.node_lost_after) if self.node_lost_after is not None else lost_after()
 
     @property
     def multi_node(self) -> bool:
@@ -170,8 +177,15 @@ def _check_counts(c: LaunchConfig) -> None:
 def _check_resilience(c: LaunchConfig) -> None:
     """``min_nodes`` (1 <= min_nodes <= the nodes asked for; only where a
     generation can run on fewer nodes: a cluster's, or nodes joined by
-    torch's c10d rendezvous; a launch's restarts need ``max_restarts`` too)
+    torch's c10d rendezvous; a launch's restarts need ``max_restarts`` too),
+    ``node_lost_after`` (or ``NBLAUNCH_NODE_LOST_AFTER`` where nodes can be lost)
     and ``preempt_grace``."""
+    t = c.node_lost_after
+    if t is not None and (isinstance(t, bool) or not isinstance(t, Real) or not 0.5 <= t < 1e6):
+        raise ValueError(f"node_lost_after must be a number of seconds >= 0.5 (or None: NBLAUNCH_NODE_LOST_AFTER, "
+                         f"default {LOST_AFTER_S:.0f}), got {t!r}")
+    if t is None and (c.cluster is not None or c.num_nodes > 1):
+        lost_after()  # NBLAUNCH_NODE_LOST_AFTER decides: read by every node's heartbeat watch
     g = c.preempt_grace
     if isinstance(g, bool) or not isinstance(g, Real) or not 0 <= g < 1e7:
         raise ValueError(f"preempt_grace must be a number of seconds >= 0, got {g!r}")
@@ -267,7 +281,6 @@ def _check_nodes(c: LaunchConfig) -> Optional[tuple[str, int]]:
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"rdzv_endpoint must be 'host:port', got {endpoint!r}")
-    lost_after()  # NBLAUNCH_NODE_LOST_AFTER, read by every node's heartbeat watch
     return host, int(port)
 
 

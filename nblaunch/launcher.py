@@ -34,6 +34,7 @@ def notebook_launcher(
     cluster=None,
     min_nodes: Optional[int] = None,
     preempt_grace: float = 30.0,
+    node_lost_after: Optional[float] = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -75,10 +76,13 @@ def notebook_launcher(
     attempt's cause. ``min_nodes`` (a cluster, or nodes joined by the c10d
     rendezvous): when a node is lost, the next generation runs on the nodes
     still up if at least this many are (``WORLD_SIZE`` and ``RANK`` then say
-    how many ranks are left). Nodes joined by ``rdzv_endpoint`` find a lost
-    node by its heartbeat (none for ``NBLAUNCH_NODE_LOST_AFTER`` seconds,
-    default 10); the node hosting ``rdzv_endpoint``'s store cannot be lost
-    without ending the run.
+    how many ranks are left). Every node is watched by its heartbeats (a
+    cluster's agents and the kernel both ways; nodes joined by
+    ``rdzv_endpoint`` on its store): one silent for ``node_lost_after``
+    seconds (default ``NBLAUNCH_NODE_LOST_AFTER``, else 10) is lost, even if
+    nothing closed (a hung machine, a partition); so is, to its agents, a
+    kernel silent that long. The node hosting ``rdzv_endpoint``'s store
+    cannot be lost without ending the run.
 
     Preemption: SIGTERM or SIGUSR1 to the kernel or a cluster's agents, or
     SIGTERM to the ranks from outside nblaunch (what SLURM sends on
@@ -102,7 +106,7 @@ def notebook_launcher(
         master_addr=master_addr, threads_per_rank=threads_per_rank, timeout=timeout, display=display,
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
-        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace)
+        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace, node_lost_after=node_lost_after)
     refuse_inside_a_rank("notebook_launcher")
     with one_at_a_time(
             "another launch is running in this kernel (started from another thread); nblaunch runs "

@@ -191,7 +191,7 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
           stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
-          min_nodes: Optional[int] = None) -> Ranks:
+          min_nodes: Optional[int] = None, node_lost_after: Optional[float] = None) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -202,12 +202,14 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     ``cluster="slurm"`` (and ``num_nodes``): ranks on the nodes of a SLURM
     allocation, as ``notebook_launcher`` has them; ``min_nodes``: when a
     node is lost, the ranks are restarted on the nodes still up if at least
-    this many (the next run says so).
+    this many (the next run says so); ``node_lost_after``: seconds without a
+    heartbeat before a node is lost, between calls too (``notebook_launcher``'s).
     """
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
-                          cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes)
+                          cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes,
+                          node_lost_after=node_lost_after)
     refuse_inside_a_rank("nblaunch.start")
     up = active()
     status = up.status if up is not None else None

@@ -88,6 +88,8 @@ class NBLaunchMagics(Magics):
     @argument("--display", default="auto", help="auto, widget, text or none")
     @argument("--cluster", default=None, help="slurm: ranks on every node of the SLURM allocation")
     @argument("--nodes", type=int, default=1, help="with --cluster: how many of its nodes (default all)")
+    @argument("--node-lost-after", type=float, default=None,
+              help="seconds without a heartbeat before a node is lost (default NBLAUNCH_NODE_LOST_AFTER, else 10)")
     @argument("--background", action="store_true", help="return at once: the cell's value is the Run (nblaunch.submit)")
     @argument("--detach", action="store_true", help="with --background: a run that outlives the kernel")
     @line_cell_magic
@@ -118,7 +120,8 @@ class NBLaunchMagics(Magics):
             names = {k: user_ns[k] for k in _names_used(cell) if k in user_ns and k not in _IPYTHON_NAMES}
             return submit(run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,
                           start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
-                          display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes, detach=opts.detach)
+                          display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes, detach=opts.detach,
+                          node_lost_after=opts.node_lost_after)
         method, _ = choose_start_method(opts.start_method)
         if method == "fork" and opts.cluster is None:  # inherited whole; elsewhere pickled
             names = {k: v for k, v in user_ns.items() if k not in _IPYTHON_NAMES}
@@ -127,7 +130,7 @@ class NBLaunchMagics(Magics):
         return notebook_launcher(
             run_cell, args=(cell, filename, names), num_processes=opts.num_processes or 2,
             start_method=opts.start_method, backend=opts.backend, timeout=opts.timeout,
-            display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes)
+            display=opts.display, cluster=opts.cluster, num_nodes=opts.nodes, node_lost_after=opts.node_lost_after)
 
     def _cell_number(self) -> int:
         """This cell's ``In[N]``: the number IPython gave the code it ran last
@@ -139,7 +142,7 @@ class NBLaunchMagics(Magics):
         if opts.action == "start":
             type(self).ranks = live_ranks.start(opts.num_processes or 2, start_method=opts.start_method,
                                                 backend=opts.backend, display=opts.display, cluster=opts.cluster,
-                                                num_nodes=opts.nodes)
+                                                num_nodes=opts.nodes, node_lost_after=opts.node_lost_after)
             print(f"nblaunch: {type(self).ranks.status}")
         elif opts.action == "stop":
             live = live_ranks.active()

@@ -385,6 +385,21 @@ def test_a_stall_is_named_once_and_only_while_others_move():
     assert Stalls(after_s=None).check(now=99.0, running={0, 1}) == []
 
 
+def test_a_stopped_rank_is_named_as_stopped_for_as_long_as_it_was_seen_so():
+    from nblaunch.system.resources import Usage
+
+    stalls = Stalls(after_s=10)
+    for rank in (0, 1, 2):
+        stalls.moved(rank, "k", 5, 100, "train", now=0.0)
+    stopped, running = Usage(0.0, 1, False, state="stopped (SIGSTOP)"), Usage(0.0, 1, False)
+    stalls.sampled({1: stopped}, now=1.0)
+    stalls.sampled({1: stopped, 2: running}, now=2.0)  # the same state: still since 1.0
+    stalls.moved(0, "k", 50, 100, "train", now=12.0)
+    assert stalls.check(now=13.0, running={0, 1, 2}) == [
+        "rank 1 is stopped (SIGSTOP) for 12 s (last at train 5/100) while ranks 0 moved on",
+        "rank 2 has made no progress for 13 s (last at train 5/100) while ranks 0 moved on"]
+
+
 def test_a_stall_warning_reaches_the_view():
     p = [Message(0, Progress(0, 1, "epoch", n, 10, False, time.time())) for n in range(3)]
     pool = FakePool(2, [[started(0), started(1), Message(1, Progress(1, 1, "epoch", 0, 10, False, time.time()))]]

@@ -136,6 +136,30 @@ def test_stall_warning_names_the_stalled_rank_only(capsys):
     assert "(last at step 5/40)" in notices[0] and "while ranks 0 moved on" in notices[0]
 
 
+def one_rank_stopped(folder):
+    import os
+    import signal
+
+    rank, mark = int(os.environ["RANK"]), os.path.join(folder, "rank1")
+    for step in progress(range(60), desc="step"):
+        if rank == 1 and step == 5:
+            open(mark, "w").write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # state T until rank 0 sends SIGCONT
+        if rank == 0 and step == 45:
+            os.kill(int(open(mark).read()), signal.SIGCONT)
+        time.sleep(0.1)
+
+
+def test_a_stopped_rank_is_named_stopped_in_the_view_and_the_stall_warning(capsys, tmp_path):
+    notebook_launcher(one_rank_stopped, args=(str(tmp_path),), num_processes=2, stall_warning=2.5,
+                      init_process_group=False, display="text")
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if "[nblaunch] rank 1" in line]
+    assert notices and re.match(r"\[nblaunch\] rank 1 is stopped \(SIGSTOP\) for \d+ s \(last at step 4/60\) "
+                                r"while ranks 0 moved on", notices[0]), out
+    assert "preempted" not in out  # continued, it is not taken for a SIGTERM (see rank.term.pause)
+
+
 def flood(n):
     import sys as _sys
 

@@ -132,3 +132,37 @@ def test_min_nodes_is_kept_for_nodes_joined_by_the_c10d_rendezvous(monkeypatch):
     monkeypatch.setenv("NBLAUNCH_NODE_LOST_AFTER", "soon")
     with pytest.raises(ValueError, match="NBLAUNCH_NODE_LOST_AFTER must be a number of seconds"):
         LaunchConfig(1, num_nodes=3, rdzv_endpoint="127.0.0.1:29400", max_restarts=1, min_nodes=2)
+
+
+def test_a_frozen_node_is_lost_after_node_lost_after_and_the_two_still_up_go_on(nodes, tmp_path):  # noqa: F811
+    """The same loss, but nothing closes: the launcher and its ranks SIGSTOPped (a hung machine,
+    a partition), ``node_lost_after`` given to the launch (no environment variable). Thawed
+    once the others are done, the node ends and leaves nothing."""
+    port = free_port()
+    endpoint, rdzv_id = f"127.0.0.1:{port}", uuid.uuid4().hex
+    extra = {"args": [str(tmp_path)], "num_processes": 1, "num_nodes": 3, "max_restarts": 1, "min_nodes": 2,
+             "node_lost_after": LOST_AFTER_S}
+    for _ in range(3):
+        nodes.start("dcp", endpoint, "c10d", rdzv_id, extra=extra)
+    host = _store_host(nodes.procs, port)
+    _wait_for("checkpoint of the three nodes", lambda: (tmp_path / "latest").exists())
+    lost = next(p for p in reversed(nodes.procs) if p.pid != host)
+    frozen = [lost.pid] + [c.pid for c in psutil.Process(lost.pid).children(recursive=True)]
+    t_lost = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        outcomes = [_outcome(p, 180) for p in nodes.procs if p is not lost]
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    firsts = [json.loads((tmp_path / f"first-1-{r}").read_text()) for r in (0, 1)]
+    recovery = max(f["time"] for f in firsts) - t_lost
+    ranks = [r for res, _ in outcomes for r in res.get("results", [])]
+    assert sorted((r["RANK"], r["WORLD_SIZE"], r["restart"]) for r in ranks) == [(0, 2, 1), (1, 2, 1)], outcomes
+    for _, text in outcomes:
+        assert re.search(r"restart 1 of 1: node [0-2] lost at step \d+; 2 nodes, 2 ranks", text), text
+    assert recovery < RECOVERY_BOUND_S, f"the survivors' first step came {recovery:.1f} s after the freeze"
+    lost.communicate(timeout=60)  # thawed, it ends on its own
+    assert not [pid for pid in frozen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    print(f"freeze -> the survivors' first step: {recovery:.1f} s")

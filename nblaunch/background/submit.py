@@ -26,7 +26,8 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Optional[dict] = None, *, 
     ``devices`` (GPU indices this run's ranks see, as ``CUDA_VISIBLE_DEVICES``),
     so that several runs can split a machine (a run whose ``devices`` overlap
     another running one's is refused); ``detach=True``: the run is owned by
-    a supervisor process and survives the kernel (:func:`attach`).
+    a supervisor process and survives the kernel (:func:`attach`); a
+    cluster's agents then beat with it (``node_lost_after``) as with a kernel.
     The view appears in the calling cell and keeps moving while other cells
     run. Interrupting a cell never stops a run; ``run.stop()`` does."""
     args, kwargs = check_call(fn, args, kwargs)

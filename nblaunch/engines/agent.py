@@ -9,8 +9,10 @@ fresh process that never ran OpenMP or CUDA), and then relays: what the
 ranks send and print goes to the kernel as the pool reports it, and the
 kernel's verbs (send, signal, interrupt, stacks, stop, drain, close) are
 applied to the pool. When the kernel goes away (its connection closes, the
-kernel was killed) or the step is interrupted (SIGINT), it stops its ranks
-and leaves: nothing outlives the launch on any node. SIGTERM and SIGUSR1
+kernel was killed), stops answering (no heartbeat for the lost-after time:
+:mod:`nblaunch.wire.beats`), says this node was dropped (it was found silent
+and the run went on without it), or the step is interrupted (SIGINT), it
+stops its ranks and leaves: nothing outlives the launch on any node. SIGTERM and SIGUSR1
 (SLURM's notice that the job ends) are passed on as a preemption notice.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -40,6 +43,10 @@ RELAY_TICK_S = 0.1
 # the kernel's link, a signal's wake-up byte) or the next resource sample is
 # due; it woke 20 times a second, ~8 ms of CPU a second on every node.
 IDLE_WAKE_S = 1.0
+# Cut off from the kernel, the relay stops the ranks and leaves; if it cannot
+# (blocked sending to a kernel that no longer reads), the ranks are killed
+# and the agent exits this long after.
+CUT_OFF_EXIT_S = 5.0
 
 
 class Placed:
@@ -106,6 +113,33 @@ class _Agent:
         self._told = False
         self._sampler = None
         self._pending: list = []  # what the ranks sent, not relayed yet (RELAY_TICK_S)
+        self.beats = None  # the heartbeats with the kernel (wire.beats.Beats)
+        self.cut_off: Optional[str] = None  # why this node is on its own now: the kernel is silent, or dropped it
+        self._left = threading.Event()  # run() is over: its ranks are stopped
+
+    def lose_kernel(self, why: str) -> None:
+        """From the heartbeat thread: the kernel stopped answering, or dropped this node. The
+        ranks are stopped, by the relay or, if it is stuck, here."""
+        if self.cut_off is not None:
+            return
+        self.cut_off = why
+        print(f"nblaunch agent: {why}: ending this node's ranks", flush=True)
+        self.wake()
+        timer = threading.Timer(CUT_OFF_EXIT_S, self._kill_all)
+        timer.daemon = True
+        timer.start()
+
+    def _kill_all(self) -> None:
+        if self._left.is_set():
+            return
+        from ..system.resources import tree_of
+
+        for pid in reversed(tree_of(os.getpid())[1:]):  # the zygote, the ranks, what they started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(1)
 
     def orphaned(self) -> bool:
         """The process that started this agent is gone. A SIGTERM then is
@@ -133,6 +167,7 @@ class _Agent:
         finally:
             self.pool.close()
             self._folder.cleanup()
+            self._left.set()
 
     def _plan(self, setup: "msg.Setup") -> tuple:
         from ..wire import modules
@@ -164,6 +199,9 @@ class _Agent:
             wait = RELAY_TICK_S - (time.monotonic() - sent_at) if self._pending else IDLE_WAKE_S
             items = pool.poll(max(0.0, wait), also=also)
             self._woken()
+            if self.cut_off is not None:
+                pool.stop(2.0)
+                return 0
             if self.ending is not None:
                 self._send(msg.Bye(self.ending))
                 pool.stop(2.0)
@@ -191,6 +229,7 @@ class _Agent:
                 except (EOFError, OSError):
                     pool.stop(2.0)  # the kernel is gone
                     return 0
+                self.beats.heard("kernel")
                 if self._apply(message):
                     return 0
 
@@ -223,8 +262,10 @@ class _Agent:
             self._send(msg.Reply(message.rid, self._answer(message)))
         elif isinstance(message, msg.Preempt):
             pool.preempt(message.why)
-        elif isinstance(message, msg.Close):
+        elif isinstance(message, (msg.Close, msg.Dropped)):
             return True
+        elif isinstance(message, msg.Heartbeat):
+            pass  # on the heartbeat link (wire.beats); any message counts as one
         return False
 
     def _answer(self, ask: "msg.Ask"):
@@ -267,6 +308,7 @@ def main(argv: Optional[list] = None) -> int:
     if not secret or not address:
         parser.error(f"{link.SECRET_ENV} and {link.ADDRESS_ENV} must be set (the kernel sets them)")
     host, port = address.rsplit(":", 1)
+    lost_after = _lost_after()
     agent: Optional[_Agent] = None
 
     def end(signum, frame) -> None:
@@ -304,14 +346,40 @@ def main(argv: Optional[list] = None) -> int:
     gc.enable()
     conn = link.connect((host.strip("[]"), int(port)), secret)
     agent = _Agent(conn, parent)
-    conn.send(msg.Hello(node=int(os.environ.get(opts.node_var, "0") or 0),
-                        name=os.environ.get(opts.name_var) or socket.gethostname(),
+    node = int(os.environ.get(opts.node_var, "0") or 0)
+    conn.send(msg.Hello(node=node, name=os.environ.get(opts.name_var) or socket.gethostname(),
                         addr=route_address(host.strip("[]"), int(port)), pid=os.getpid(),
                         gpus=torch.cuda.device_count(), nccl=torch.distributed.is_nccl_available()))
+    agent.beats = _beat(agent, link.connect((host.strip("[]"), int(port)), secret), node, lost_after)
     try:
         return agent.run()
     finally:
+        agent.beats.stop()
         conn.close()
+
+
+def _lost_after() -> float:
+    """``NBLAUNCH_NODE_LOST_AFTER`` as the kernel set it for its agents (the launch's ``node_lost_after``)."""
+    from ..config import lost_after
+
+    return lost_after()
+
+
+def _beat(agent: _Agent, beat_link: Connection, node: int, lost_after: float):
+    """The heartbeats with the kernel, on their own link, in their own thread."""
+    from ..wire.beats import Beats
+
+    def said(key, message) -> None:
+        if message is None:
+            agent.lose_kernel("the kernel closed the heartbeat link")
+        elif isinstance(message, msg.Dropped):
+            agent.lose_kernel(f"the kernel dropped this node ({message.why})")
+
+    beat_link.send(msg.BeatLink(node))
+    beats = Beats(lost_after, on_silent=lambda key, s: agent.lose_kernel(
+        f"the kernel stopped answering: no heartbeat for {s:.0f} s"), on_word=said)
+    beats.add("kernel", beat_link)
+    return beats
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ authenticated channel (:mod:`nblaunch.wire.link`). To the call watch this is a
 rank pool like any other: ranks are numbered ``0..world_size-1`` (node
 ``i`` holds ``i * num_processes`` on), every rank's output, events and exit
 arrive through :meth:`AgentPool.poll`, and the verbs go to the agent of the
-rank's node. A node whose agent's connection closes, or that the engine
-ended, is a :class:`~nblaunch.engines.pool.Lost` for each of its ranks still up.
+rank's node. A node whose agent's connection closes, that the engine
+ended, or that stopped answering (no heartbeat for the launch's lost-after
+time, :mod:`nblaunch.wire.beats`: it is told it was dropped, should it come
+back, and its links are closed) is a :class:`~nblaunch.engines.pool.Lost`
+for each of its ranks still up.
 
 The kernel hosts the ranks' TCPStore on the address it uses to reach the
 nodes, and the agents' listener beside it; both exist only as long as the
@@ -24,7 +27,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
 from ..wire import agent_messages as msg, link
-from ..wire.channel import RELEASE, Started
+from ..wire.beats import Beats
+from ..wire.channel import RELEASE, Progress, Started
 from ..errors import LaunchError
 from .logs import new_launch_dir, release_launch_dir
 from .nodes import Placement, host_store
@@ -54,6 +58,7 @@ class _Node:
 @dataclass
 class _Rank(RankFacts):
     log: Any = None  # its output, as it arrives
+    step: Optional[int] = None  # its progress bar's last count
 
 
 class AgentPool(RankPool):
@@ -77,6 +82,7 @@ class AgentPool(RankPool):
         self._listener: Optional[link.Listener] = None
         self._step = None  # the engine's handle on the agents (poll, output, end)
         self._store = None
+        self._beats: Optional[Beats] = None  # the heartbeats with every node's agent
         self.backend: Optional[str] = None  # decided at start, from every node's GPUs
 
     # -- starting ----------------------------------------------------------------
@@ -88,10 +94,13 @@ class AgentPool(RankPool):
         secret = link.new_secret()
         self._listener = link.Listener(host, secret)
         lhost, lport = self._listener.address
-        self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex()},
+        lost_after = self._config.lost_after
+        self._beats = Beats(lost_after, on_silent=lambda node, s: msg.Dropped(f"no heartbeat for {s:.0f} s"))
+        self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex(),
+                                          "NBLAUNCH_NODE_LOST_AFTER": repr(float(lost_after))},
                                          str(self.log_dir / "agents.log"))
         hellos = self._gather(tick)
-        backend = self.backend = self._backend(hellos)
+        backend = self.backend = _backend(self._config, hellos)
         self._store, port = host_store(lhost, self.size, self._pg_timeout)
         for r, rank in enumerate(self._ranks):  # before any rank can print: every line is kept
             rank.log = open(self.log_dir / f"rank{r}.log", "w", encoding="utf-8", buffering=1)
@@ -109,20 +118,25 @@ class AgentPool(RankPool):
             gone = [a for a in self._agents if not a.open and not a.started]
             if gone:
                 raise LaunchError(f"the agent on node {gone[0].node} ({gone[0].name}) ended before it started its "
-                                  f"ranks; the agents' output:\n{self._agents_log()}")
+                                  f"ranks; the agents' output:\n{_last_lines(self._step)}")
             self._check_step(deadline, "start their ranks")
             tick()
         self.placement = Placement(0, len(self._agents), self.per_node, lhost, port)
         return self.placement
 
     def _gather(self, tick: Callable[[], None]) -> "list[msg.Hello]":
-        """Every node's agent connected and authenticated, in node order."""
+        """Every node's agent connected and authenticated (both its links), in node order."""
         deadline = time.monotonic() + AGENTS_START_S
         got: dict[int, tuple] = {}
-        while len(got) < self._engine.num_nodes:
+        beating: set = set()
+        while len(got) < self._engine.num_nodes or len(beating) < self._engine.num_nodes:
             item = self._listener.get(0.1)
             if item is not None:
                 conn, hello = item
+                if isinstance(hello, msg.BeatLink) and hello.node not in beating:
+                    beating.add(hello.node)
+                    self._beats.add(hello.node, conn)
+                    continue
                 if not isinstance(hello, msg.Hello) or hello.node in got:
                     conn.close()
                     continue
@@ -137,31 +151,10 @@ class AgentPool(RankPool):
         code = self._step.poll()
         if code is not None:
             raise LaunchError(f"the agents ({self._step.what}) ended (code {code}) before every node's agent could "
-                              f"{what}; their output:\n{self._agents_log()}")
+                              f"{what}; their output:\n{_last_lines(self._step)}")
         if time.monotonic() > deadline:
             raise LaunchError(f"the nodes' agents did not {what} within {AGENTS_START_S:.0f} s; their output:\n"
-                              f"{self._agents_log()}")
-
-    def _engine_news(self) -> str:
-        """What the engine said when an agent vanished without a word (a
-        cancelled step's agents get SIGKILL: srun then reports it)."""
-        return self._step.news() if self._step is not None else ""
-
-    def _agents_log(self) -> str:
-        text = self._step.output() if self._step is not None else ""
-        return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
-
-    def _backend(self, hellos: "list[msg.Hello]") -> Optional[str]:
-        """The process group's backend, by the rule a single machine uses, for
-        the node with the fewest GPUs."""
-        c = self._config
-        if not c.init_process_group:
-            return None
-        try:
-            return resolve_backend(c.backend, self.per_node, min(h.gpus for h in hellos),
-                                   all(h.nccl for h in hellos), where="on the node with the fewest")
-        except ValueError as exc:
-            raise LaunchError(str(exc)) from None
+                              f"{_last_lines(self._step)}")
 
     # -- reading -----------------------------------------------------------------
 
@@ -173,8 +166,9 @@ class AgentPool(RankPool):
         return out
 
     def _read(self, timeout: float, only: Optional[_Node] = None) -> list:
-        agents = [a for a in ([only] if only else self._agents) if a.open]
         out: list = []
+        self._drop_silent(out)
+        agents = [a for a in ([only] if only else self._agents) if a.open]
         if not agents:
             time.sleep(timeout)
             return out
@@ -187,6 +181,7 @@ class AgentPool(RankPool):
                 except (EOFError, OSError):
                     self._lose(agent, out)
                     break
+                self._beats.heard(agent.node)
                 self._take(agent, message, out)
         return out
 
@@ -203,9 +198,13 @@ class AgentPool(RankPool):
                         rank.log.write("".join(line + "\n" for line in item.lines))
                 elif isinstance(item, Message) and isinstance(item.event, Started):
                     rank.started = True
+                elif isinstance(item, Message) and isinstance(item.event, Progress):
+                    rank.step = item.event.n
                 elif isinstance(item, Exited):
                     rank.exited = True
                 out.append(item)
+        elif isinstance(message, (msg.Heartbeat, msg.BeatLink)):
+            pass  # on the heartbeat link (wire.beats); any message counts as one
         elif isinstance(message, msg.Reply):
             self._replies[message.rid] = message.value
         elif isinstance(message, msg.Usage):
@@ -220,11 +219,22 @@ class AgentPool(RankPool):
                 if not self._ranks[r].exited:
                     out.append(Lost(r, f"({agent.name}) {agent.why}"))
 
-    def _lose(self, agent: _Node, out: list) -> None:
-        """The agent's connection closed: each of its ranks still up is lost."""
+    def _drop_silent(self, out: list) -> None:
+        """Nodes the heartbeats found silent (told they were dropped, their heartbeat link
+        closed): each of their ranks still up is lost, and their agent's connection closed."""
+        for agent in self._agents:
+            seconds = self._beats.silent.get(agent.node) if self._beats is not None else None
+            if agent.open and seconds is not None:
+                first = agent.node * self.per_node
+                self._lose(agent, out, _silence(seconds, self._ranks[first:first + self.per_node]))
+
+    def _lose(self, agent: _Node, out: list, why: str = "") -> None:
+        """The agent's connection closed (or it stopped answering, ``why``): each of its ranks still up is lost."""
         agent.open = False
         agent.conn.close()
-        why = f"({agent.name}) {agent.why or self._engine_news() or 'was lost: its agent connection closed'}"
+        # What the engine said of an agent that vanished without a word (srun reports a SIGKILL)
+        news = self._step.news() if self._step is not None else ""
+        why = f"({agent.name}) {why or agent.why or news or 'was lost: its agent connection closed'}"
         first = agent.node * self.per_node
         for r in range(first, first + self.per_node):
             if not self._ranks[r].exited:
@@ -339,6 +349,8 @@ class AgentPool(RankPool):
         finally:
             for agent in self._agents:
                 agent.conn.close()
+            if self._beats is not None:
+                self._beats.stop()
             if self._listener is not None:
                 self._listener.close()
             self._store = None
@@ -348,6 +360,31 @@ class AgentPool(RankPool):
                 if rank.log is not None:
                     rank.log.close()
             release_launch_dir(self.log_dir)
+
+
+def _last_lines(step) -> str:
+    """What the agents printed, the last 20 lines."""
+    text = step.output() if step is not None else ""
+    return "\n".join("  " + line for line in text.strip().splitlines()[-20:]) or "  (none)"
+
+
+def _backend(config, hellos: "list[msg.Hello]") -> Optional[str]:
+    """The process group's backend, by the rule a single machine uses, for
+    the node with the fewest GPUs."""
+    if not config.init_process_group:
+        return None
+    try:
+        return resolve_backend(config.backend, config.num_processes, min(h.gpus for h in hellos),
+                               all(h.nccl for h in hellos), where="on the node with the fewest")
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+def _silence(seconds: float, ranks: "list[_Rank]") -> str:
+    """Why a silent node is lost: ``stopped answering: no heartbeat for 10 s (its ranks were at step 85)``."""
+    steps = [r.step for r in ranks if r.step is not None]
+    at = f" (its ranks were at step {max(steps)})" if steps else ""
+    return f"stopped answering: no heartbeat for {seconds:.0f} s{at}"
 
 
 def _renumber(item: Any, rank: int) -> Any:

@@ -61,7 +61,7 @@ class ElasticEngine(LocalEngine):
         return WatchedNodes(num_nodes=c.num_nodes, node_rank=c.node_rank, endpoint=c.rdzv_endpoint,
                             backend=c.rdzv_backend, run_id=c.rdzv_id, rdzv_timeout_s=float(c.rdzv_timeout),
                             local_world_size=c.num_processes, addr=c.addr, store_timeout_s=self.pg_timeout,
-                            min_nodes=c.min_nodes)
+                            min_nodes=c.min_nodes, lost_after_s=c.lost_after)
 
     def shrink(self, failures: list) -> bool:
         """After a generation that lost nodes: the next runs on the nodes still up, if ``min_nodes`` allows."""

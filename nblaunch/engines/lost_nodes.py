@@ -2,8 +2,8 @@
 without them (``min_nodes``).
 
 While its ranks run, each node beats on the endpoint's store (a counter it adds to every second
-or so) and watches the others' counters (:class:`Heartbeats`). A node silent for
-``NBLAUNCH_NODE_LOST_AFTER`` seconds (default 10) is lost (its launcher died, its machine went
+or so) and watches the others' counters (:class:`Heartbeats`). A node silent for the launch's
+``node_lost_after`` (default ``NBLAUNCH_NODE_LOST_AFTER``, else 10 s) is lost (its launcher died, its machine went
 down): the node that sees it first publishes it as the generation's failure (kind ``node``,
 ``exc_type`` :data:`NODE_LOST`), and every node stops its ranks at once, as for any failure.
 
@@ -130,10 +130,10 @@ class WatchedNodes(NodeGroup):
     """A :class:`NodeGroup` whose nodes watch each other's heartbeats while their ranks run, and
     that goes on without lost nodes when ``min_nodes`` allows (c10d only)."""
 
-    def __init__(self, *, min_nodes: Optional[int] = None, **group):
+    def __init__(self, *, min_nodes: Optional[int] = None, lost_after_s: Optional[float] = None, **group):
         super().__init__(**group)
         self.min_nodes = min_nodes
-        self.lost_after = lost_after()
+        self.lost_after = lost_after_s if lost_after_s is not None else lost_after()  # the launch's node_lost_after
         self._beats: Optional[Heartbeats] = None
         self._beat_store = self._spare = None  # clients of the endpoint's store: the heartbeats', fresh rounds'
         self._hosting = False  # this launcher hosts the endpoint's store

@@ -89,7 +89,9 @@ def pause(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         info = signal.sigtimedwait({signal.SIGTERM}, left)
-        if info is not None:
+        # A rank stopped (SIGSTOP) and continued here gets back an uninitialised siginfo from
+        # CPython 3.11 (si_signo garbage): not a SIGTERM, not a preemption notice.
+        if info is not None and info.si_signo == signal.SIGTERM:
             _take(info.si_pid)
 
 

@@ -23,6 +23,10 @@ import psutil
 __all__ = ["Usage", "Sampler", "gpu_devices", "children_of", "tree_of"]
 
 INTERVAL_S = 1.0
+# A rank's process that is not running nor waiting as processes do, in words (psutil's status):
+# what "no progress" alone would hide.
+STATES = {psutil.STATUS_STOPPED: "stopped (SIGSTOP)", psutil.STATUS_TRACING_STOP: "stopped by a tracer",
+          psutil.STATUS_DISK_SLEEP: "in uninterruptible sleep (D: waiting on a disk, a mount or a driver)"}
 RANKS_PER_S = 64  # at most this many ranks' trees sampled a second (above 16 the view shows few ranks' rows)
 LOW_MEMORY_FRACTION = 0.10
 
@@ -33,9 +37,11 @@ class Usage:
     rss: int  # bytes, summed over the tree (shared pages counted in each process)
     memory_low: bool  # the machine is close to running out, and this rank is among the largest
     gpu: Optional[tuple] = None  # (device, used bytes, total bytes, utilisation % or None)
+    state: str = ""  # the rank's process, when it cannot run: STATES' words ("stopped (SIGSTOP)")
 
     def text(self) -> str:
-        parts = [f"cpu {self.cpu_percent:.0f}%", f"mem {_size(self.rss)}" + (" (memory low!)" if self.memory_low else "")]
+        parts = [self.state] if self.state else []
+        parts += [f"cpu {self.cpu_percent:.0f}%", f"mem {_size(self.rss)}" + (" (memory low!)" if self.memory_low else "")]
         if self.gpu is not None:
             device, used, total, util = self.gpu
             parts.append(f"gpu{device} {_size(used)}/{_size(total)}" + (f" {util}%" if util is not None else ""))
@@ -70,19 +76,22 @@ class Sampler:
         usage = {}
         for rank, pid in pids.items():
             cpu = rss = 0.0
+            state = ""
             for proc in self._tree(pid, children):
                 try:
                     with proc.oneshot():
                         cpu += proc.cpu_percent(None)  # since the last sample (0 the first time)
                         rss += proc.memory_info().rss
+                        if proc.pid == pid:
+                            state = STATES.get(proc.status(), "")
                 except psutil.Error:
                     pass
-            usage[rank] = (cpu, int(rss))
+            usage[rank] = (cpu, int(rss), state)
         vm = psutil.virtual_memory()
         low = vm.available < LOW_MEMORY_FRACTION * vm.total
-        biggest = max((rss for _, rss in usage.values()), default=0)
-        return {rank: Usage(cpu, rss, low and rss >= 0.5 * biggest, self._gpu(rank))
-                for rank, (cpu, rss) in usage.items()}
+        biggest = max((rss for _, rss, _ in usage.values()), default=0)
+        return {rank: Usage(cpu, rss, low and rss >= 0.5 * biggest, self._gpu(rank), state)
+                for rank, (cpu, rss, state) in usage.items()}
 
     def _tree(self, pid: int, children: dict[int, list[int]]) -> list[psutil.Process]:
         pids, todo = [], [pid]

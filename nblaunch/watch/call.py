@@ -175,9 +175,9 @@ class CallWatch:
             self._check_departures(now)
         self._check_others(now)
         if self._sampler is not None and self._stop_deadline is None:  # not while the ranks die: slow to read
-            usage = self._pool.usage(self._sampler)
-            if usage:
+            if usage := self._pool.usage(self._sampler):
                 self._view.resources(usage)
+                self._stalls.sampled(usage, now - self._desk.held())
         self._view.tick()
 
     # -- what the ranks sent --------------------------------------------------------

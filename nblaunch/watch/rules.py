@@ -27,6 +27,16 @@ class Stalls:
         self._last: dict[int, tuple[float, str]] = {}  # rank -> (when it last moved, where)
         self._bars: dict[tuple[int, str], tuple] = {}
         self._warned: set[int] = set()
+        self._states: dict[int, tuple[str, float]] = {}  # rank -> (its process's state in words, seen since)
+
+    def sampled(self, usage: dict, now: float) -> None:
+        """What each rank's process was sampled doing at ``now`` (rank -> ``resources.Usage``;
+        its ``state``: "" when running or waiting as processes do, else ``resources.STATES``)."""
+        for rank, use in usage.items():
+            if not use.state:
+                self._states.pop(rank, None)
+            elif self._states.get(rank, ("",))[0] != use.state:
+                self._states[rank] = (use.state, now)
 
     def moved(self, rank: int, key: str, n: float, total: Optional[float], desc: str, now: float) -> None:
         if self._bars.get((rank, key)) != (n, total):
@@ -44,7 +54,9 @@ class Stalls:
             if now - t >= self.after_s and rank in running:
                 if moving and rank not in self._warned:
                     self._warned.add(rank)
-                    notices.append(f"rank {label(rank)} has made no progress for {now - t:.0f} s (last at {where}) "
+                    state, since = self._states.get(rank, ("", t))
+                    what = f"is {state} for {now - since:.0f} s" if state else f"has made no progress for {now - t:.0f} s"
+                    notices.append(f"rank {label(rank)} {what} (last at {where}) "
                                    f"while ranks {', '.join(str(label(r)) for r in moving)} moved on")
             else:
                 self._warned.discard(rank)

@@ -13,6 +13,12 @@ signal for some ranks (:class:`SignalRanks`), a preemption notice for its
 ranks (:class:`Preempt`), asks it something (:class:`Ask`, answered by a
 :class:`Reply` with the same ``rid``) and ends it (:class:`Close`).
 Messages on one link arrive in the order they were sent.
+
+Each agent has a second link that carries heartbeats only
+(:mod:`nblaunch.wire.beats`): it opens it with :class:`BeatLink`, and both
+sides send :class:`Heartbeat` on it every second or so. A node the kernel
+found silent is told :class:`Dropped` there (read if it ever comes back),
+and its links are closed.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = ["Hello", "Setup", "RanksStarted", "Relayed", "Usage", "PreemptNotice", "Bye", "Reply",
-           "Deliver", "SignalRanks", "Preempt", "Ask", "Close", "TO_AGENT", "TO_KERNEL"]
+           "Deliver", "SignalRanks", "Preempt", "Ask", "Close", "Heartbeat", "BeatLink", "Dropped",
+           "TO_AGENT", "TO_KERNEL"]
 
 
 # -- from a node's agent ----------------------------------------------------------
@@ -81,6 +88,20 @@ class Reply:
     value: Any = None
 
 
+@dataclass(frozen=True)
+class BeatLink:
+    """The first word on an agent's heartbeat link: the node it beats for."""
+
+    node: int
+
+
+# -- both ways ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """I am here (on the heartbeat link; any message received counts as one)."""
+
+
 # -- from the kernel ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -138,5 +159,13 @@ class Close:
     """Leave: stop the node's ranks and end."""
 
 
-TO_AGENT = (Setup, Deliver, SignalRanks, Preempt, Ask, Close)
-TO_KERNEL = (Hello, RanksStarted, Relayed, Usage, PreemptNotice, Bye, Reply)
+@dataclass(frozen=True)
+class Dropped:
+    """The kernel found this node silent and went on without it (``why``): a
+    node that comes back ends its ranks and itself."""
+
+    why: str
+
+
+TO_AGENT = (Setup, Deliver, SignalRanks, Preempt, Ask, Close, Heartbeat, Dropped)
+TO_KERNEL = (Hello, RanksStarted, Relayed, Usage, PreemptNotice, Bye, Reply, Heartbeat, BeatLink)
