@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from nblaunch.wire import agent_messages as msg, link
+from nblaunch.wire.beats import Beats
 from nblaunch.wire.channel import RELEASE, Interrupt, Started
 from nblaunch.engines.agent_pool import AgentPool
 from nblaunch.engines.agent_engine import AgentStep
@@ -66,6 +67,16 @@ class ScriptedEngine:
     def _agent(self, node: int, address, secret: bytes) -> None:
         conn = link.connect(address, secret)
         conn.send(msg.Hello(node, f"host{node}", "127.0.0.1", 0, 0, False))
+        beat_link = link.connect(address, secret)  # the heartbeats' own link, as a real agent's
+        beat_link.send(msg.BeatLink(node))
+        beats = Beats(30.0)
+        beats.add("kernel", beat_link)
+        try:
+            self._serve(node, conn)
+        finally:
+            beats.stop()
+
+    def _serve(self, node: int, conn) -> None:
         setup = conn.recv()
         assert isinstance(setup, msg.Setup) and setup.placement.node_rank == node
         self.setups[node] = setup
