@@ -218,7 +218,7 @@ def test_a_kernel_busy_in_python_on_a_busy_machine_loses_no_node(nodes):
 BUSY_PER_NODE = 16  # the 256 ranks on 2 nodes would be 128 per node on 2 shared cores: 32 ranks, each at 10 Hz
 
 
-@pytest.mark.matrix  # about 40 s with both cores spun: it would slow the tests beside it;: a group of its own (pytest -m matrix, as CI runs it)
+@pytest.mark.matrix  # about 40 s with both cores spun, which would slow the tests beside it: CI runs it with -m matrix
 @needs_three
 @pytest.mark.parametrize("nodes", [2], indirect=True)
 def test_many_ranks_reporting_fast_while_the_kernel_is_busy_lose_no_node(nodes, tmp_path):
