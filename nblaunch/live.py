@@ -144,9 +144,9 @@ class Ranks:
         dead = [pool.global_rank(r) for r in range(pool.size) if not pool.up_now(r)]
         engine = session.engine
         what = f"{self.num_processes} ranks ({engine.method}, {engine.backend or 'no process group'})"
+        lost = "; ".join(pool.lost_nodes.values())
         if dead:
-            return (f"down: {ranks_label(dead)} ended outside a call; the next run reports it and restarts the ranks "
-                    f"(their state is lost) | {what}")
+            return f"down: {lost or ranks_label(dead) + ' ended'} outside a call; {session.next_run_restarts()} | {what}"
         restarts = f", restarted {session.restarts}x" if session.restarts else ""
         return f"up: {what}, {session.runs} calls{restarts} | output: {pool.log_dir}"
 

@@ -18,6 +18,7 @@ silently half-working session.
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Optional
@@ -84,6 +85,7 @@ class Session:
         self.history = History(config.max_restarts)  # a launch's restarts
         self._steps: dict = {}  # the last generation's steps, global rank -> its bar's last step
         self.shrunk = ""  # live ranks: why they run on fewer nodes than at first, said by the next run
+        self.calling = False  # a call on live ranks is under way (its view names a lost node)
         # A launch's view of each generation, ``make_view(display, show_after=...)``
         # (a background run draws into its cell), and its owner's stop, asked each
         # tick (a background run's ``run.stop()``: the launch raises RunStopped).
@@ -185,6 +187,7 @@ class Session:
                 view.notice(text)
             LiveCallWatch(pool, view, 0).run(lambda: engine.place(pool, view))
             self.pool = pool
+            pool.on_lost = self._lost_between_calls
         except BaseException:
             self.pool = None
             if pool is not None:
@@ -220,14 +223,28 @@ class Session:
                 pool.send(rank, Call(number, job, timeout))  # False: it died; its exit says so
 
         try:
+            self.calling = True
             results = watch.run(begin)
         except BaseException as exc:
             view.close(status_of(exc))
             raise _with_note(exc, self._recover(watch, exc)) from (exc.__cause__ if isinstance(exc, WorkerError) else None)
+        finally:
+            self.calling = False
         view.close("finished")
         if watch.broken:
             warnings.warn(f"{name} returned, but {self._recover(watch)}", RuntimeWarning, stacklevel=4)
         return LaunchResults(results, str(pool.log_dir), pool.log_files)
+
+    def _lost_between_calls(self, line: str) -> None:
+        """(the pool's heartbeat thread) A node of the live ranks was lost: said at once when no call
+        runs (a call's view names it), on stderr, which a kernel shows in the cell running or last run."""
+        if not self.calling:
+            print(f"nblaunch: {line} while no call ran; {self.next_run_restarts()}", file=sys.stderr, flush=True)
+
+    def next_run_restarts(self) -> str:
+        """What the next run does about ranks lost between calls."""
+        on = " on the nodes still up" if self.config.min_nodes else ""
+        return f"the next run reports it and restarts the ranks{on} (their state is lost)"
 
     def _recover(self, watch: CallWatch, exc: Optional[BaseException] = None) -> str:
         """After a call that did not end well: replace broken ranks (on the

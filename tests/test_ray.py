@@ -348,3 +348,63 @@ def test_a_ray_node_being_drained_for_preemption_lets_every_rank_save_and_return
         k.shutdown()
         _nothing_left()
         ray_cluster.kill_node(raylet)
+
+
+RAY_STEPS = """
+import os, time, nblaunch
+def steps(folder, n=3000):
+    import torch, torch.distributed as dist
+    bar = nblaunch.progress(total=n, desc="train")
+    t = torch.ones(1)
+    for step in range(n):
+        dist.all_reduce(t)
+        bar.update(1)
+        if step == 5:
+            open(os.path.join(folder, f"at-{dist.get_rank()}"), "w").close()
+        time.sleep(0.05)
+"""
+RAY_LOST_AFTER_S = 2  # below the cluster's own health checks (3 missed at 1 s): the heartbeats, not Ray, name it
+
+
+def test_a_frozen_ray_node_is_named_within_node_lost_after(cluster, netns, tmp_path_factory, tmp_path):
+    """A third Ray node frozen whole (its raylet and every worker under it, the agent's actor,
+    the agent and its rank SIGSTOPped): nothing closes, yet the launch names it within
+    ``node_lost_after`` and stops the others; thawed, it leaves nothing of the launch."""
+    raylet = ray_cluster.add_node(cluster, str(tmp_path_factory.mktemp("ray5")), netns)
+    k = Kernel(netns=netns)
+    stopped: list = []
+    try:
+        _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)\n" + RAY_STEPS, timeout=120))
+        msg = k.execute_async(f"nblaunch.notebook_launcher(steps, ({str(tmp_path)!r},), num_processes=1, "
+                              f"cluster=nblaunch.Ray(nodes=3), node_lost_after={RAY_LOST_AFTER_S}, timeout=600, "
+                              "display='none')")
+        _wait_files(tmp_path, "at-", 3)
+        stopped = [raylet, *raylet.children(recursive=True)]
+        assert any("_AgentActor" in " ".join(p.cmdline()) for p in stopped), [p.cmdline() for p in stopped]
+        for p in stopped:
+            p.suspend()
+        t0 = time.monotonic()
+        r = k.wait_for_reply(msg, timeout=120)
+        named = time.monotonic() - t0
+        assert r.error is not None and r.error["ename"] == "WorkerError", r.text
+        tb = "\n".join(r.error["traceback"])
+        assert re.search(rf"node \d \([^)]+\) stopped answering: no heartbeat for {RAY_LOST_AFTER_S} s "
+                         r"\(its ranks were at step \d+\)", tb), tb
+        assert named < RAY_LOST_AFTER_S + 12, f"named {named:.1f} s after the freeze"
+        print(f"named {named:.1f} s after the freeze")
+    finally:
+        for p in stopped:
+            try:
+                p.resume()
+            except psutil.Error:
+                pass
+        try:
+            k.shutdown()
+            _nothing_left(timeout=30)
+        finally:  # thawed, the raylet reads that Ray declared its node dead and exits: what is left goes
+            for p in stopped or [raylet]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(stopped or [raylet], timeout=10)

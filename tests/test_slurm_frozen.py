@@ -20,6 +20,7 @@ import pytest
 import slurm_cluster
 from conftest import Kernel
 from test_slurm import _agents, _nothing_left, _ok, _salloc
+from test_session import _value
 from test_slurm_resilience import _slurmd_pid
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,6 +141,36 @@ def test_with_min_nodes_the_run_goes_on_without_a_frozen_node(nodes, tmp_path):
 
 @needs_three
 @pytest.mark.parametrize("nodes", [2], indirect=True)
+def test_a_node_frozen_between_calls_of_live_ranks_is_named_at_once_and_by_the_next_run(nodes):
+    """No call runs: the line comes in the notebook's output by itself, ``status`` says it, and
+    the next run (the node thawed) names it and restarts the ranks."""
+    job, k = nodes
+    text = _ok(k.execute("import os, nblaunch\n"
+                         f"ranks = nblaunch.start(1, cluster='slurm', node_lost_after={LOST_AFTER_S})\n"
+                         "where = lambda: os.environ['SLURMD_NODENAME']\n"
+                         "print(ranks.run(where, display='none'))", timeout=120))
+    host = re.search(r"\['n\d', '(n\d)'\]", text).group(1)
+    with frozen(job, host):
+        t0 = time.monotonic()
+        said = k.wait_for_output("while no call ran", timeout=60)
+        named = time.monotonic() - t0
+        status = _value(k.execute("ranks.status"))
+    assert re.search(rf"nblaunch: node 1 \({host}\) stopped answering: no heartbeat for {LOST_AFTER_S} s while no "
+                     r"call ran; the next run reports it and restarts the ranks \(their state is lost\)", said), said
+    assert named < NAMED_WITHIN_S, f"named {named:.1f} s after the freeze"
+    assert status.startswith(f"'down: node 1 ({host}) stopped answering: no heartbeat for {LOST_AFTER_S} s outside a call"), status
+    r = k.execute("ranks.run(where, display='none')", timeout=180)
+    assert r.error is not None and r.error["ename"] == "WorkerError", r.text
+    tb = "\n".join(r.error["traceback"])
+    assert f"node 1 ({host}) stopped answering: no heartbeat for {LOST_AFTER_S} s" in tb, tb
+    assert "The session restarted its ranks" in tb, tb
+    text = _ok(k.execute("print(ranks.run(where, display='none')); ranks.close()", timeout=180))
+    assert re.search(r"\['n\d', 'n\d'\]", text), text
+    print(f"named {named:.1f} s after the freeze, between calls")
+
+
+@needs_three
+@pytest.mark.parametrize("nodes", [2], indirect=True)
 def test_the_agents_of_a_frozen_kernel_end_their_ranks(nodes):
     job, k = nodes
     k.execute_async(f"""
@@ -182,3 +213,41 @@ def test_a_kernel_busy_in_python_on_a_busy_machine_loses_no_node(nodes):
     text = _ok(k.execute("print(ranks.run(where, display='none')); ranks.close()", timeout=120))
     assert re.search(r"\[\(2, 'n\d'\), \(2, 'n\d'\)\]", text), text
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid in {s.pid for s in spinners}]
+
+
+BUSY_PER_NODE = 16  # the issue's 256 ranks on 2 nodes would be 128 per node on 2 shared cores: 32 ranks, each at 10 Hz
+
+
+@pytest.mark.matrix  # about 40 s with both cores spun, which would slow the tests beside it: CI runs it with -m matrix
+@needs_three
+@pytest.mark.parametrize("nodes", [2], indirect=True)
+def test_many_ranks_reporting_fast_while_the_kernel_is_busy_lose_no_node(nodes, tmp_path):
+    """A background run of 2 x 16 ranks, each reporting progress at 10 Hz, while the kernel runs
+    a pure-Python loop for 25 s and two other processes spin both cores: no node is called lost
+    (``node_lost_after=10``), and every rank returns."""
+    job, k = nodes
+    stop = tmp_path / "stop"
+    _ok(k.execute(f"""
+import os, time, nblaunch
+def report(folder, stop):
+    bar = nblaunch.progress(desc="reporting")
+    open(os.path.join(folder, f"up-{{os.environ['RANK']}}"), "w").close()
+    while not os.path.exists(stop):
+        bar.update(1)
+        time.sleep(0.1)
+    return os.environ["SLURMD_NODENAME"]
+run = nblaunch.submit(report, ({str(tmp_path)!r}, {str(stop)!r}), num_processes={BUSY_PER_NODE}, cluster="slurm",
+                      init_process_group=False, node_lost_after=10, display="none", timeout=600)"""))
+    _wait_files(tmp_path, "up-", 2 * BUSY_PER_NODE)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        busy = _ok(k.execute("t = time.monotonic()\nwhile time.monotonic() - t < 25: pass\nprint(run.status)",
+                             timeout=120))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    stop.touch()
+    text = _ok(k.execute("res = run.result(timeout=120)\nprint(len(res), sorted(set(res)))", timeout=180))
+    assert re.search(rf"{2 * BUSY_PER_NODE} \['n\d', 'n\d'\]", text), (busy, text)
+    assert "lost" not in busy + text, busy + text

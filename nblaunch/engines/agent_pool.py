@@ -82,7 +82,7 @@ class AgentPool(RankPool):
         self._listener: Optional[link.Listener] = None
         self._step = None  # the engine's handle on the agents (poll, output, end)
         self._store = None
-        self._beats: Optional[Beats] = None  # the heartbeats with every node's agent
+        self._beats: Optional[_NodeBeats] = None  # the heartbeats with every node's agent
         self.backend: Optional[str] = None  # decided at start, from every node's GPUs
 
     # -- starting ----------------------------------------------------------------
@@ -95,7 +95,7 @@ class AgentPool(RankPool):
         self._listener = link.Listener(host, secret)
         lhost, lport = self._listener.address
         lost_after = self._config.lost_after
-        self._beats = Beats(lost_after, on_silent=lambda node, s: msg.Dropped(f"no heartbeat for {s:.0f} s"))
+        self._beats = _NodeBeats(self, lost_after)
         self._step = engine.start_agents({link.ADDRESS_ENV: f"{lhost}:{lport}", link.SECRET_ENV: secret.hex(),
                                           "NBLAUNCH_NODE_LOST_AFTER": repr(float(lost_after))},
                                          str(self.log_dir / "agents.log"))
@@ -135,7 +135,7 @@ class AgentPool(RankPool):
                 conn, hello = item
                 if isinstance(hello, msg.BeatLink) and hello.node not in beating:
                     beating.add(hello.node)
-                    self._beats.add(hello.node, conn)
+                    self._beats.beats.add(hello.node, conn)
                     continue
                 if not isinstance(hello, msg.Hello) or hello.node in got:
                     conn.close()
@@ -181,7 +181,7 @@ class AgentPool(RankPool):
                 except (EOFError, OSError):
                     self._lose(agent, out)
                     break
-                self._beats.heard(agent.node)
+                self._beats.beats.heard(agent.node)
                 self._take(agent, message, out)
         return out
 
@@ -219,14 +219,17 @@ class AgentPool(RankPool):
                 if not self._ranks[r].exited:
                     out.append(Lost(r, f"({agent.name}) {agent.why}"))
 
+    @property
+    def lost_nodes(self) -> dict:
+        return self._beats.lines if self._beats is not None else {}
+
     def _drop_silent(self, out: list) -> None:
         """Nodes the heartbeats found silent (told they were dropped, their heartbeat link
         closed): each of their ranks still up is lost, and their agent's connection closed."""
         for agent in self._agents:
-            seconds = self._beats.silent.get(agent.node) if self._beats is not None else None
-            if agent.open and seconds is not None:
-                first = agent.node * self.per_node
-                self._lose(agent, out, _silence(seconds, self._ranks[first:first + self.per_node]))
+            why = self._beats.silent.get(agent.node) if self._beats is not None else None
+            if agent.open and why is not None:
+                self._lose(agent, out, why)
 
     def _lose(self, agent: _Node, out: list, why: str = "") -> None:
         """The agent's connection closed (or it stopped answering, ``why``): each of its ranks still up is lost."""
@@ -255,15 +258,6 @@ class AgentPool(RankPool):
         except (OSError, ValueError):
             return False
 
-    def _by_node(self, ranks) -> dict:
-        """Node -> its local ranks among ``ranks`` (nodes whose agent never connected left out)."""
-        groups: dict = {}
-        for r in ranks:
-            if r // self.per_node >= len(self._agents):
-                continue
-            groups.setdefault(r // self.per_node, []).append(r % self.per_node)
-        return groups
-
     def send(self, rank: int, message: Any) -> bool:
         if message == RELEASE:
             return True  # the agent released the rank when it fetched the result
@@ -276,7 +270,7 @@ class AgentPool(RankPool):
             self._tell(agent, msg.Preempt(why))
 
     def signal(self, sig: int, ranks: list[int]) -> None:
-        for node, locals_ in self._by_node(ranks).items():
+        for node, locals_ in _by_node(ranks, self.per_node, len(self._agents)).items():
             self._tell(self._agents[node], msg.SignalRanks(sig, locals_))
 
     def _request(self, node: int, what: str, ranks: Optional[list] = None) -> Any:
@@ -295,11 +289,11 @@ class AgentPool(RankPool):
         """Each node's agent answers for its ranks; stacks come under a line naming the node."""
         if what == "collectives":
             found: dict = {}
-            for node, locals_ in self._by_node(ranks).items():
+            for node, locals_ in _by_node(ranks, self.per_node, len(self._agents)).items():
                 found.update(self._request(node, what, locals_) or {})
             return found
         texts = []
-        for node, locals_ in self._by_node(ranks).items():
+        for node, locals_ in _by_node(ranks, self.per_node, len(self._agents)).items():
             text = self._request(node, what, locals_)
             agent = self._agents[node]
             texts.append(f"node {node} ({agent.name}):\n" + (text if text is not None else "  (its agent did not answer)"))
@@ -309,7 +303,8 @@ class AgentPool(RankPool):
         return self._agents[rank // self.per_node].name if self._agents else None
 
     def up_now(self, rank: int) -> bool:
-        return not self._ranks[rank].exited and bool(self._agents) and self._agent_of(rank).open
+        return (not self._ranks[rank].exited and bool(self._agents) and self._agent_of(rank).open
+                and rank // self.per_node not in self.lost_nodes)
 
     def gpu_devices(self) -> dict:
         return {}  # each node's agent samples its own
@@ -339,6 +334,8 @@ class AgentPool(RankPool):
         return out
 
     def _release(self) -> None:
+        if self._beats is not None:
+            self._beats.closing = True  # the agents' links close now: no node is lost by that
         try:
             for agent in self._agents:
                 self._tell(agent, msg.Close())
@@ -350,7 +347,7 @@ class AgentPool(RankPool):
             for agent in self._agents:
                 agent.conn.close()
             if self._beats is not None:
-                self._beats.stop()
+                self._beats.beats.stop()
             if self._listener is not None:
                 self._listener.close()
             self._store = None
@@ -360,6 +357,48 @@ class AgentPool(RankPool):
                 if rank.log is not None:
                     rank.log.close()
             release_launch_dir(self.log_dir)
+
+
+class _NodeBeats:
+    """The kernel's heartbeats with every node's agent (:mod:`nblaunch.wire.beats`) and the nodes
+    they found lost, written by the heartbeat thread, even between calls: ``silent`` (node -> why,
+    for the pool's next read) and ``lines`` (node -> the line naming it, handed to ``on_lost``)."""
+
+    def __init__(self, pool: AgentPool, lost_after: float):
+        self.pool = pool
+        self.silent: dict[int, str] = {}
+        self.lines: dict[int, str] = {}
+        self.closing = False
+        self.beats = Beats(lost_after, on_silent=self._silent, on_word=self._word)
+
+    def _silent(self, node: int, seconds: float) -> msg.Dropped:
+        """``node`` stood silent ``seconds``: noted, said, and it is told it was dropped."""
+        first = node * self.pool.per_node
+        self.silent[node] = _silence(seconds, self.pool.facts[first:first + self.pool.per_node])
+        self._found(node, self.silent[node])
+        return msg.Dropped(f"no heartbeat for {seconds:.0f} s")
+
+    def _word(self, node: int, message) -> None:
+        """``None``: the node's heartbeat link closed, its agent gone (the pool's next read says how)."""
+        if message is None and not self.closing:
+            self._found(node, "was lost: its agent's connection closed")
+
+    def _found(self, node: int, why: str) -> None:
+        agents = self.pool._agents
+        if node in self.lines or node >= len(agents):
+            return
+        self.lines[node] = f"node {node} ({agents[node].name}) {why}"
+        if self.pool.on_lost is not None:
+            self.pool.on_lost(self.lines[node])
+
+
+def _by_node(ranks, per_node: int, nodes: int) -> dict:
+    """Node -> its local ranks among ``ranks`` (nodes past ``nodes``, whose agent never connected, left out)."""
+    groups: dict = {}
+    for r in ranks:
+        if r // per_node < nodes:
+            groups.setdefault(r // per_node, []).append(r % per_node)
+    return groups
 
 
 def _last_lines(step) -> str:

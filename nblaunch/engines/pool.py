@@ -14,7 +14,8 @@ import collections
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Union
 
 from ..system.resources import gpu_devices
 from ..wire.channel import Event, Interrupt
@@ -110,6 +111,11 @@ class RankPool(abc.ABC):
     preempting: Optional[tuple] = None
     log_dir: Path
     facts: list  # a RankFacts (or a kind's extension of it) per rank
+    # Nodes found lost by the pool's own thread (heartbeats), even between calls: node -> the
+    # line naming it; ``on_lost(line)`` is called from that thread as each is found (live ranks
+    # say it at once). The next poll reports their ranks ``Lost`` as for any lost node.
+    lost_nodes: Mapping[int, str] = MappingProxyType({})
+    on_lost: Optional[Callable[[str], None]] = None
     _closed = False
 
     @abc.abstractmethod
