@@ -220,6 +220,7 @@ def test_the_stop_button_early_in_a_launch_returns_at_once_and_leaks_nothing(ker
     assert after[0] <= before[0] and after[1] <= before[1] + 2, (before, after, sorted(fds_after - fds_before))
 
 
+@pytest.mark.long
 def test_a_hundred_launches_leave_the_kernel_as_they_found_it(kernel):
     reply = kernel.execute(
         "from nblaunch import notebook_launcher\n"

@@ -19,6 +19,8 @@ import pytest
 from nblaunch.config import LaunchConfig
 from test_nodes import free_port, nodes  # noqa: F401 - nodes: the fixture (launchers, none left behind)
 
+pytestmark = pytest.mark.long  # a node killed or frozen on purpose, minutes in all: pytest -m long
+
 LOST_AFTER_S = 3  # NBLAUNCH_NODE_LOST_AFTER: seconds without a heartbeat (default 10)
 RECOVERY_BOUND_S = 40.0
 

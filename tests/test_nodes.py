@@ -217,7 +217,7 @@ def interrupt(nodes: Nodes, p: subprocess.Popen) -> dict:
     return res
 
 
-@pytest.mark.parametrize("backend,node_rank", [("static", 0), ("static", 1), ("c10d", None)])
+@pytest.mark.parametrize("backend,node_rank", [("static", 0), *matrix(("static", 1)), ("c10d", None)])
 def test_an_interrupt_while_waiting_for_the_other_node_ends_the_launch_and_its_rendezvous(
         nodes, tmp_path, backend, node_rank):
     """"waiting for 2 nodes to join", the other node not there: as the host
@@ -266,7 +266,7 @@ def test_an_interrupt_as_the_rendezvous_ends_stops_the_node_whose_ranks_started(
     assert other["left"] == NOTHING_LEFT, other["left"]
 
 
-@pytest.mark.parametrize("backend,delay", [("static", 0.0), *matrix(("static", 0.3)), ("static", 1.0), ("static", 2.0),
+@pytest.mark.parametrize("backend,delay", [("static", 0.0), *matrix(("static", 0.3), ("static", 1.0), ("static", 2.0)),
                                            ("c10d", 0.3), *matrix(("c10d", 1.0))])
 def test_an_interrupt_at_any_moment_of_the_gathering_ends_every_node(nodes, tmp_path, backend, delay):
     """Both nodes start together; the first is interrupted ``delay`` s after

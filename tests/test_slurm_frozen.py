@@ -23,7 +23,7 @@ from test_slurm import _agents, _nothing_left, _ok, _salloc
 from test_session import _value
 from test_slurm_resilience import _slurmd_pid
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 
 _WHY_NOT = slurm_cluster.why_not(nodes=3)
 needs_three = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
@@ -218,7 +218,6 @@ def test_a_kernel_busy_in_python_on_a_busy_machine_loses_no_node(nodes):
 BUSY_PER_NODE = 16  # the 256 ranks on 2 nodes would be 128 per node on 2 shared cores: 32 ranks, each at 10 Hz
 
 
-@pytest.mark.matrix  # about 40 s with both cores spun, which would slow the tests beside it: CI runs it with -m matrix
 @needs_three
 @pytest.mark.parametrize("nodes", [2], indirect=True)
 def test_many_ranks_reporting_fast_while_the_kernel_is_busy_lose_no_node(nodes, tmp_path):

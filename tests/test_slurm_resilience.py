@@ -20,7 +20,7 @@ import slurm_cluster
 from conftest import Kernel
 from test_slurm import _agents, _nothing_left, _ok, _salloc
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 
 _WHY_NOT = slurm_cluster.why_not(nodes=3)
 needs_three = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
