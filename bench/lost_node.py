@@ -11,13 +11,16 @@ last survivor's first step of the next generation; a wait past ``--cap`` seconds
 * ``torchrun``: ``--nnodes=2:3 --max-restarts=1 --rdzv-backend=c10d``, torch's defaults (the
   survivors wait in gloo's all_reduce for the process group's timeout, 30 minutes).
 
-Not measured yet: Ray Train on the same nodes (bench/ray_vs_train.py has the harness).
+* on three Ray nodes (bench/lost_node_ray.py, ``--engines`` with ``ray``): ``nblaunch`` with
+  ``cluster=nblaunch.Ray(nodes=3)`` against Ray Train's ``TorchTrainer`` (elastic, 2 to 3
+  workers, ``max_failures=1``), the third Ray node frozen whole.
 
-    python bench/lost_node.py [--cap 120] [--rounds 1]
+    python bench/lost_node.py [--cap 120] [--rounds 1] [--engines slurm,ray]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -75,20 +78,38 @@ def _thaw() -> None:
     _frozen.clear()
 
 
+def _ratio(anchor: "list | None", ours: "list | None", cap: float) -> "str | None":
+    """The anchor's median over ours, "at least" when the anchor hit the cap."""
+    if not anchor or not ours or None in ours:
+        return None
+    mid = sorted(ours)[len(ours) // 2]
+    waited = sorted(cap if s is None else s for s in anchor)[len(anchor) // 2]
+    return f"{'at least ' if None in anchor else ''}{waited / mid:.1f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cap", type=float, default=120.0, help="seconds an anchor is waited for")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--engines", default="slurm,ray", help="slurm (vs torchrun), ray (vs Ray Train), or both")
     parser.add_argument("--out", default=str(HERE / "results" / "lost_node.json"))
     opts = parser.parse_args()
     recovery._measure = _measure  # noqa: SLF001 - the same scenario, the node frozen instead
     CAP_S[0] = opts.cap
-    times: dict[str, list] = {"nblaunch": [], "torchrun": []}
-    with slurm_cluster.losing_a_node():
-        job, ours = recovery._allocation()  # noqa: SLF001
+    engines = opts.engines.split(",")
+    times: dict[str, list] = {"nblaunch": [], "torchrun": []} if "slurm" in engines else {}
+    for i in range(opts.rounds if "ray" in engines else 0):
+        import lost_node_ray
+
+        for name, s in lost_node_ray.measure(opts.cap).items():
+            times.setdefault(f"{name} (Ray nodes)", []).append(None if s == float("inf") else round(s, 2))
+            said = f"{s:.1f} s" if s != float("inf") else f"more than {opts.cap:.0f} s"
+            print(f"round {i + 1}: {name} on 3 Ray nodes: {said} from the freeze to the survivors' next step", flush=True)
+    with slurm_cluster.losing_a_node() if "slurm" in engines else contextlib.nullcontext():
+        job, ours = recovery._allocation() if "slurm" in engines else ("", False)  # noqa: SLF001
         os.environ["SLURM_JOB_ID"] = job
         try:
-            for i in range(opts.rounds):
+            for i in range(opts.rounds if "slurm" in engines else 0):
                 for name in ("nblaunch", "torchrun"):
                     try:
                         s = recovery.run_nblaunch(job) if name == "nblaunch" else recovery.run_torchrun(job, "127.0.0.1")
@@ -101,13 +122,15 @@ def main() -> None:
         finally:
             if ours:
                 subprocess.run(["scancel", job], timeout=30)
-    ours_s = [s for s in times["nblaunch"] if s is not None]
     result = {"scenario": "3 SLURM nodes x 1 rank (gloo); node n3's slurmd and process tree SIGSTOPped 10 steps in; "
-                          "seconds from the freeze to the last survivor's first step of the next generation",
-              "anchor": "torchrun --nnodes=2:3 --max-restarts=1 --rdzv-backend=c10d (torch defaults)",
+                          "seconds from the freeze to the last survivor's first step of the next generation; "
+                          "the same on 3 Ray nodes, the third's raylet and everything under it SIGSTOPped",
+              "anchors": ["torchrun --nnodes=2:3 --max-restarts=1 --rdzv-backend=c10d (torch defaults)",
+                          "Ray Train TorchTrainer, ScalingConfig(num_workers=(2, 3)), FailureConfig(max_failures=1)"],
               "seconds": times, "cap_s": opts.cap,
-              "torchrun_over_nblaunch_at_least": (round(opts.cap / max(ours_s), 1)
-                                                  if ours_s and None in times["torchrun"] else None),
+              "anchor_over_nblaunch": {anchor: _ratio(times.get(anchor), times.get(ours), opts.cap)
+                                       for anchor, ours in (("torchrun", "nblaunch"),
+                                                            ("Ray Train (Ray nodes)", "nblaunch (Ray nodes)"))},
               "lost_after_s": float(os.environ.get("NBLAUNCH_NODE_LOST_AFTER") or 10),
               "machine": f"{os.cpu_count()} CPUs", "python": sys.version.split()[0],
               "torch": __import__("torch").__version__, "date": time.strftime("%Y-%m-%d")}
