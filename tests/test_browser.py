@@ -24,7 +24,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.browser]  # pytest -m browser (CI: .ci/run)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -305,7 +305,7 @@ def _contrast(css_a: str, css_b: str) -> float:
     return (high + 0.05) / (low + 0.05)
 
 
-@pytest.mark.matrix  # the live view again, in the dark theme; CI runs it (pytest -m matrix)
+# the live view again, in the dark theme
 def test_eight_ranks_in_the_dark_theme_and_the_saved_notebook_reopened(lab_dark, tmp_path):
     """Readable with 8 ranks in JupyterLab's dark theme (the screenshot is
     kept to look at), and the notebook saved the default way (no widget

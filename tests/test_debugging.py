@@ -331,6 +331,7 @@ def test_live_ranks_debug_a_call_and_serve_the_next(kernel):
     assert "AFTER [100, 101] up" in s.stdout, s.stdout
 
 
+@pytest.mark.browser
 def test_in_jupyterlab_the_prompt_is_the_cells_input_box(tmp_path):
     """As a person does it: JupyterLab in Chromium, the rank's prompt in the
     cell's stdin box, the commands typed there, the rows saying who waits."""

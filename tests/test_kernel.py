@@ -249,7 +249,7 @@ def test_a_hundred_launches_leave_the_kernel_as_they_found_it(kernel):
     assert mem1 - mem0 < 40, f"the kernel grew by {mem1 - mem0} MiB over 100 launches"
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_a_killed_kernel_takes_what_its_ranks_started_with_it(tmp_path, method):
     """The OOM killer's way: SIGKILL to the kernel alone. The ranks die by
     their parent-death signal; their janitors end what the ranks started,

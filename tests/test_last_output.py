@@ -76,8 +76,9 @@ def test_a_ranks_end_waits_for_its_pipes_end_or_the_deadline():
 
 # 50 MiB, the size the issue lost bytes at, takes ~6.5 s a run on two busy
 # cores (the kernel reads 1 MiB of a flooding rank per 50 ms batch): 130 s for
-# the 20 runs, so CI's matrix step runs it; 4 MiB (64 pipe reads) here, ~25 s.
-@pytest.mark.parametrize("size", [4 << 20, *matrix(BIG)], ids=["4MiB", "50MiB"])
+# the 20 runs; 4 MiB (64 pipe reads), ~25 s. Both in the long group (pytest -m long).
+@pytest.mark.long
+@pytest.mark.parametrize("size", [4 << 20, BIG], ids=["4MiB", "50MiB"])
 def test_a_long_line_without_a_newline_is_in_the_log_byte_exact_20_times_under_load(size):
     t = time.monotonic()
     with busy(2):
@@ -90,7 +91,7 @@ def test_a_long_line_without_a_newline_is_in_the_log_byte_exact_20_times_under_l
     print(f"20 runs of {size >> 20} MiB under load: {time.monotonic() - t:.1f} s")
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn")])
 def test_a_rank_that_prints_1_mib_of_lines_and_returns_has_its_last_line_in_log_and_cell(method, capsys):
     results = notebook_launcher(lines_then_return, args=(1 << 20,), num_processes=2, start_method=method,
                                 display="text", init_process_group=False)
@@ -120,6 +121,7 @@ _WHY_NOT = slurm_cluster.why_not()
 
 @pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
 @pytest.mark.timeout(300)
+@pytest.mark.long  # fifty times over: pytest -m long
 def test_a_slurm_live_call_that_prints_and_returns_has_its_last_line_in_the_cell_50_times():
     from test_slurm import _nothing_left, _ok, _salloc
 

@@ -303,7 +303,7 @@ def load(fail_at):
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", *matrix("forkserver")])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn", "forkserver")])
 def test_dataloader_workers_over_a_notebook_dataset(nb, tmp_path, method):
     workers_file = tmp_path / "workers"
     reply = nb.execute(DATALOADER + textwrap.dedent(f"""

@@ -44,7 +44,7 @@ def bump():
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", *matrix("forkserver")])
+@pytest.mark.parametrize("method", ["fork", *matrix("spawn", "forkserver")])
 def test_state_persists_across_cells(kernel, method):
     """A counter set up once and incremented by three runs, cell by cell, in the same processes."""
     assert kernel.execute(SETUP.format(method=method), timeout=180).error is None
