@@ -6,8 +6,8 @@ decommission on), made once: what a Databricks user's notebook has. The
 tests that lose or decommission an executor come last (Spark replaces it).
 Marked ``spark``: the README's test command leaves them out (pyspark is an
 extra and each session starts three JVMs), ``.ci/run`` runs them
-(``pytest -m spark``). Without pyspark or Java they
-skip, unless ``NBLAUNCH_REQUIRE_SPARK`` is set (CI), when they fail.
+(``pytest -m spark``). Without pyspark or Java they skip, unless
+``NBLAUNCH_REQUIRE_SPARK`` is set (CI), when they fail.
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import time
-
-import signal
 
 import psutil
 import pytest
