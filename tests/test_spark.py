@@ -317,6 +317,14 @@ def test_a_local_mode_session_runs_the_ranks_here_and_says_so(tmp_path):
 
 STEPPER = """
 import os, time, nblaunch
+def executor():
+    import psutil
+    p = psutil.Process()
+    while p is not None:  # up to the executor's JVM: rank, agent, Spark's Python worker, its daemon
+        cmd = p.cmdline()
+        if "--executor-id" in cmd:
+            return cmd[cmd.index("--executor-id") + 1]
+        p = p.parent()
 def stepper(folder, steps=8):
     import torch, torch.distributed as dist
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -335,7 +343,7 @@ def stepper(folder, steps=8):
         if restart == 0 and step == 3:
             open(os.path.join(folder, f"at-3-{rank}"), "w").close()
             time.sleep(120)  # until a node is lost
-    return (restart, rank, world, start)
+    return (restart, rank, world, start, executor())
 """
 
 
@@ -396,7 +404,8 @@ def test_a_lost_executor_with_min_nodes_goes_on_from_a_checkpoint_without_it(spa
     jvm, executor = _executor_jvm(_agent_of(1))
     jvm.kill()
     text = _ok(spark_kernel.wait_for_reply(msg, timeout=240))
-    assert "[(1, 0, 1, 4)]" in text, text  # one rank, from step 4 on
+    found = re.search(r"\[\(1, 0, 1, 4, '(\d+)'\)\]", text)  # one rank, from step 4 on, on another executor
+    assert found and found.group(1) != executor, text
     assert re.search(rf"restart 1 of 1: node \S+ \(executor {executor}\) lost at step 4; 1 ranks", text), text
     _no_spark_job_left(spark_kernel)
 
