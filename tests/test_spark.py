@@ -1,11 +1,13 @@
 """Ranks on the executors of a real Spark application (issue 49).
 
-One kernel for the module holds a ``local-cluster[2,1,1024]`` session (two
-executor JVMs on this host, pip's pyspark, Java 17), made once: what a
-Databricks user's notebook has. Marked ``spark``: the README's test command
-leaves them out (pyspark is an extra and each session starts three JVMs),
-``.ci/run`` runs them (``pytest -m spark``). Without pyspark or Java they
-skip, unless ``NBLAUNCH_REQUIRE_SPARK`` is set (CI), when they fail.
+One kernel for the module holds a ``local-cluster[2,2,1024]`` session (two
+executor JVMs of two cores each on this host, pip's pyspark, Java 17, graceful
+decommission on), made once: what a Databricks user's notebook has. The
+tests that lose or decommission an executor come last (Spark replaces it).
+Marked ``spark``: the README's test command leaves them out (pyspark is an
+extra and each session starts three JVMs), ``.ci/run`` runs them
+(``pytest -m spark``). Without pyspark or Java they skip, unless
+``NBLAUNCH_REQUIRE_SPARK`` is set (CI), when they fail.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -40,8 +43,8 @@ SESSION = """
 import os, sys
 os.environ["PYSPARK_PYTHON"] = sys.executable
 from pyspark.sql import SparkSession
-spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false")
-         .config("spark.executor.memory", "900m").getOrCreate())
+spark = (SparkSession.builder.master("local-cluster[2,2,1024]").config("spark.ui.enabled", "false")
+         .config("spark.executor.memory", "900m").config("spark.decommission.enabled", "true").getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 """
 
@@ -115,18 +118,30 @@ def test_every_rank_runs_on_an_executor_with_its_result_and_output(spark_kernel)
     text = _ok(spark_kernel.execute("""
 import os, time, nblaunch
 os.environ["FROM_THE_NOTEBOOK"] = "yes"
+def executor():
+    import psutil
+    p = psutil.Process()
+    while p is not None:  # up to the executor's JVM: rank, agent, Spark's Python worker, its daemon
+        cmd = p.cmdline()
+        if "--executor-id" in cmd:
+            return cmd[cmd.index("--executor-id") + 1]
+        p = p.parent()
 def where():
     import torch, torch.distributed as dist
     t = torch.ones(1)
     dist.all_reduce(t)
     print(f"rank {dist.get_rank()} here", flush=True)
-    return dist.get_rank(), int(os.environ["NODE_RANK"]), t.item(), os.environ.get("FROM_THE_NOTEBOOK")
+    return dist.get_rank(), int(os.environ["NODE_RANK"]), t.item(), os.environ.get("FROM_THE_NOTEBOOK"), executor()
 out = nblaunch.notebook_launcher(where, num_processes=2, cluster="spark", display="text")
-print(list(out))""", timeout=240))
+print([r[:4] for r in out])
+print("executors by node", [out[0][4], out[2][4]])""", timeout=240))
     # One node per executor, every rank's result in rank order, with the kernel's environment.
     assert "[(0, 0, 4.0, 'yes'), (1, 0, 4.0, 'yes'), (2, 1, 4.0, 'yes'), (3, 1, 4.0, 'yes')]" in text, text
     for r in range(4):
         assert f"[rank {r}] rank {r} here" in text, text
+    # Each executor has two cores, room for two tasks: still one node on each.
+    found = re.search(r"executors by node \['(\d+)', '(\d+)'\]", text)
+    assert found and found.group(1) != found.group(2), text
 
 
 def test_a_failing_rank_is_named_with_its_executor_and_spark_reruns_nothing(spark_kernel):
@@ -194,13 +209,61 @@ nblaunch.notebook_launcher(wait, num_processes=1, cluster="spark", display="text
     assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - t0 < 20
     _nothing_left()
-    assert "active []" in _ok(spark_kernel.execute("print('active', spark.sparkContext.statusTracker().getActiveJobsIds())"))
+    _no_spark_job_left(spark_kernel)
+
+
+def _no_spark_job_left(kernel, timeout: float = 60) -> None:
+    """The launch's Spark job ends (Spark's bookkeeping, apart from the cell's verdict, takes a moment)."""
+    text = _ok(kernel.execute(f"""
+import time
+deadline = time.monotonic() + {timeout}
+while spark.sparkContext.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print('active', spark.sparkContext.statusTracker().getActiveJobsIds())""", timeout=timeout + 30))
+    assert "active []" in text, text
 
 
 def test_more_nodes_than_the_executors_hold_is_refused_before_any_task(spark_kernel):
+    # Two executors of two cores: four tasks at once, but one node each.
     r = spark_kernel.execute("nblaunch.notebook_launcher(print, num_processes=1, cluster=nblaunch.Spark(nodes=3))")
     assert r.error is not None and r.error["ename"] == "LaunchError"
     assert "run 2 tasks at once: a barrier stage of 3 tasks would wait forever" in r.error["evalue"], r.error
+
+
+def test_a_failure_reaches_the_cell_without_waiting_for_spark_to_end_the_stage(spark_kernel):
+    """The verdict waits for the agents, not for Spark's end of the stage
+    (seconds of a busy driver's bookkeeping): here each task lingers 60 s
+    after its agent has left, and the error is in the cell within seconds of
+    the raise while the stage still runs; the next launch waits for the
+    stage to be ended (cancelled) and runs."""
+    text = _ok(spark_kernel.execute("""
+import os, re, time, nblaunch, torch
+from nblaunch.engines import spark_task
+agent_task = spark_task.run_agent
+def lingering(*args):
+    yield from agent_task(*args)
+    time.sleep(60)
+def fails():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError(f"raised at {time.time()!r}")
+    dist.all_reduce(torch.ones(1))
+spark_task.run_agent = lingering
+try:
+    nblaunch.notebook_launcher(fails, num_processes=1, cluster="spark", display="none")
+except nblaunch.WorkerError as exc:
+    seen = time.time()
+    raised = float(re.search(r"raised at ([0-9.]+)", str(exc)).group(1))
+    print(f"raise to the cell {seen - raised:.2f} s; jobs running {spark.sparkContext.statusTracker().getActiveJobsIds()}")
+finally:
+    spark_task.run_agent = agent_task
+print("next", list(nblaunch.notebook_launcher(os.getpid, num_processes=1, cluster="spark", display="none")) != [])
+""", timeout=240))
+    found = re.search(r"raise to the cell ([0-9.]+) s; jobs running \[(\d*)", text)
+    assert found and found.group(2), text  # the stage was still running
+    assert float(found.group(1)) < 10, text
+    assert "next True" in text, text
+    _no_spark_job_left(spark_kernel)
 
 
 def test_without_a_session_the_error_says_how_to_make_one():
@@ -248,3 +311,137 @@ def test_a_local_mode_session_runs_the_ranks_here_and_says_so(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the SparkSession runs in local mode (one JVM, no executors): the ranks run on this machine" in done.stdout
     assert re.search(r"\[\d+, \d+\]", done.stdout), done.stdout
+
+
+# --- a lost or decommissioned executor: these change the application's executors, so they come last ---
+
+STEPPER = """
+import os, time, nblaunch
+def executor():
+    import psutil
+    p = psutil.Process()
+    while p is not None:  # up to the executor's JVM: rank, agent, Spark's Python worker, its daemon
+        cmd = p.cmdline()
+        if "--executor-id" in cmd:
+            return cmd[cmd.index("--executor-id") + 1]
+        p = p.parent()
+def stepper(folder, steps=8):
+    import torch, torch.distributed as dist
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoint = os.path.join(folder, "checkpoint")
+    start = int(open(checkpoint).read()) if os.path.exists(checkpoint) else 0
+    bar = nblaunch.progress(total=steps, desc="train")
+    t = torch.ones(1)
+    for step in range(start, steps):
+        dist.all_reduce(t)
+        if rank == 0:
+            with open(checkpoint + ".new", "w") as f:
+                f.write(str(step + 1))
+            os.replace(checkpoint + ".new", checkpoint)
+        bar.update(1)
+        if restart == 0 and step == 3:
+            open(os.path.join(folder, f"at-3-{rank}"), "w").close()
+            time.sleep(120)  # until a node is lost
+    return (restart, rank, world, start, executor())
+"""
+
+
+def _wait_files(folder, prefix: str, n: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while len([f for f in os.listdir(folder) if f.startswith(prefix)]) < n:
+        assert time.monotonic() < deadline, os.listdir(folder)
+        time.sleep(0.05)
+
+
+def _agent_of(node: int) -> psutil.Process:
+    """Node ``node``'s agent (its ranks, forked from it, share its command line; its parent is Spark's worker)."""
+    for p in _ours():
+        try:
+            if (p.environ().get("NBLAUNCH_NODE") == str(node)
+                    and "nblaunch.engines.agent" not in " ".join(p.parent().cmdline())):
+                return p
+        except psutil.Error:
+            pass
+    raise AssertionError(f"no agent of node {node} among {[p.pid for p in _ours()]}")
+
+
+def _executor_jvm(agent: psutil.Process) -> tuple[psutil.Process, str]:
+    """The executor JVM an agent runs under (its worker's daemon's parent), and the executor's id."""
+    p = agent
+    while p is not None:
+        cmd = p.cmdline()
+        if "--executor-id" in cmd:
+            return p, cmd[cmd.index("--executor-id") + 1]
+        p = p.parent()
+    raise AssertionError(f"agent {agent.pid} runs under no executor")
+
+
+def test_a_node_whose_agent_dies_is_named_with_its_executor(spark_kernel, tmp_path):
+    _ok(spark_kernel.execute(STEPPER))
+    msg = spark_kernel.execute_async(f"nblaunch.notebook_launcher(stepper, ({str(tmp_path)!r},), num_processes=1, "
+                                     "cluster='spark', display='text')")
+    _wait_files(tmp_path, "at-3-", 2)
+    agent = _agent_of(1)
+    _, executor = _executor_jvm(agent)
+    agent.kill()
+    r = spark_kernel.wait_for_reply(msg, timeout=120)
+    assert r.error is not None and r.error["ename"] == "WorkerError", r.error
+    tb = "\n".join(r.error["traceback"])
+    assert re.search(rf"node 1 \(\S+ \(executor {executor}\)\) was lost", tb), tb
+    _no_spark_job_left(spark_kernel)
+
+
+def test_a_lost_executor_with_min_nodes_goes_on_from_a_checkpoint_without_it(spark_kernel, tmp_path):
+    """The executor's JVM is killed mid-run (its Python workers, the agent
+    and its ranks go with it): with min_nodes=1 the next generation runs on
+    one node, from the checkpoint the first one left."""
+    _ok(spark_kernel.execute(STEPPER))
+    msg = spark_kernel.execute_async(f"res = nblaunch.notebook_launcher(stepper, ({str(tmp_path)!r},), "
+                                     "num_processes=1, cluster='spark', max_restarts=1, min_nodes=1, display='text')\n"
+                                     "print(list(res))")
+    _wait_files(tmp_path, "at-3-", 2)
+    jvm, executor = _executor_jvm(_agent_of(1))
+    jvm.kill()
+    text = _ok(spark_kernel.wait_for_reply(msg, timeout=240))
+    found = re.search(r"\[\(1, 0, 1, 4, '(\d+)'\)\]", text)  # one rank, from step 4 on, on another executor
+    assert found and found.group(1) != executor, text
+    assert re.search(rf"restart 1 of 1: node \S+ \(executor {executor}\) lost at step 4; 1 ranks", text), text
+    _no_spark_job_left(spark_kernel)
+
+
+PREEMPTED = """
+import os, time, nblaunch
+def until_preempted(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, f"up-{dist.get_rank()}"), "w").close()
+    step = 0
+    while not nblaunch.preempted(agree=True):
+        step += 1
+        time.sleep(0.05)
+    return (dist.get_rank(), step)
+"""
+
+
+def test_an_executor_being_decommissioned_lets_every_rank_save_and_return(spark_kernel, tmp_path):
+    """Spark's graceful decommission (SIGPWR to the executor, what a spot
+    instance's notice becomes): a preemption notice to every rank on every
+    executor, which agree on a step and return."""
+    _ok(spark_kernel.execute(PREEMPTED))
+    # Spark replaces the executor lost above (half a minute here): a launch on two nodes needs both.
+    assert "executors 2" in _ok(spark_kernel.execute("""
+import time
+deadline = time.monotonic() + 180
+while spark.sparkContext._jsc.sc().getExecutorIds().size() < 2 and time.monotonic() < deadline:
+    time.sleep(0.2)
+print("executors", spark.sparkContext._jsc.sc().getExecutorIds().size())""", timeout=240))
+    msg = spark_kernel.execute_async(f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), "
+                                     "num_processes=1, cluster=nblaunch.Spark(nodes=2), display='text')\n"
+                                     "print(list(res))")
+    _wait_files(tmp_path, "up-", 2)
+    jvm, executor = _executor_jvm(_agent_of(1))
+    jvm.send_signal(signal.SIGPWR)
+    text = _ok(spark_kernel.wait_for_reply(msg, timeout=120))
+    found = re.findall(r"\((\d), (\d+)\)", text)
+    assert [r for r, _ in found] == ["0", "1"] and len({s for _, s in found}) == 1, text
+    assert f"preempted (a decommission to Spark executor {executor}): saving" in text, text

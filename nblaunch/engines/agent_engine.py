@@ -38,7 +38,9 @@ class AgentStep(abc.ABC):
 
     @abc.abstractmethod
     def end(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for the agents to leave, then end them."""
+        """The agents were told to leave and waited for: wait up to
+        ``timeout`` for them to be gone, then end them (before the verdict
+        reaches the cell; a step slow to end may be ended apart)."""
 
     def preempting(self) -> Optional[tuple]:
         """``(what, where)`` once the engine says a node is about to be taken

@@ -8,11 +8,18 @@ authenticated link, exactly as under SLURM and Ray. What Spark does
 differently, and what is done about it:
 
 * The stage runs from a thread of the kernel, under a job group of its own:
-  when the agents do not leave when told, ``end`` cancels the group (Spark
+  when the agents do not leave when told, the group is cancelled (Spark
   kills the tasks' workers; each agent, whose parent died, stops its ranks).
+  The verdict does not wait for Spark to end the stage once the agents have
+  left (its bookkeeping takes seconds on a busy driver): the stage is ended
+  apart, and the next stage of the session starts once it has.
 * A failed task makes Spark abort and rerun the whole barrier stage: the
   task never fails (its agent's exit and output are its result), and a rerun
   starts no agent. Restarts are nblaunch's (``max_restarts``, ``min_nodes``).
+* An executor with several cores runs as many tasks at once, and two tasks
+  of the stage could share one. The stage asks for every core (and each
+  task resource) of an executor per task, a stage-level task resource
+  profile: one task, one agent, per executor.
 * A barrier stage of more tasks than the executors can run at once waits
   forever: refused before it starts. So is dynamic allocation, which barrier
   mode does not support.
@@ -25,6 +32,7 @@ differently, and what is done about it:
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import threading
@@ -34,6 +42,7 @@ from typing import Callable, Optional
 
 from . import spark_task
 from .agent_engine import AgentEngine, AgentStep
+from .pool import TEARDOWN_WAIT_S
 from ..clusters import Spark
 from ..errors import LaunchError
 
@@ -43,6 +52,10 @@ EXECUTORS_WAIT_S = 120.0  # a fresh application's executors registering
 EXECUTORS_QUIET_S = 1.0  # executors this quick (the usual case) are not worth a notice
 DECOMMISSION_POLL_S = 1.0  # how often the kernel asks whether one of the executors is being decommissioned
 CANCEL_WAIT_S = 30.0  # a cancelled job group's tasks killed
+# Application id -> the last stage of agents started in it from this kernel,
+# which may still be ending when the next launch (or a restart) starts one.
+_LAST_STAGE: dict = {}
+_PROFILES: dict = {}  # (application id, task resources) -> its resource profile, registered once
 # Kernel variables an executor must not get: the kernel's own gateway to its JVM.
 _KERNEL_ONLY = ("PYSPARK_GATEWAY_PORT", "PYSPARK_GATEWAY_SECRET", "PYSPARK_PIN_THREAD", "_PYSPARK_DRIVER_CONN_INFO_PATH")
 
@@ -83,6 +96,37 @@ def _executors(sc) -> list[str]:
     return [i for i in ids.split(",") if i]
 
 
+def _one_task_each(sc):
+    """A task resource profile under which an executor runs one task at a
+    time (a task asks for what the executor's tasks have together), where
+    it would run several; None where it runs one anyway, or where Spark
+    cannot schedule a stage by a profile. Executors are taken to be alike."""
+    j = sc._jsc.sc()
+    ids = _executors(sc)
+    per = int(j.maxNumConcurrentTasks(j.resourceProfileManager().defaultResourceProfile())) // max(len(ids), 1)
+    if per <= 1:
+        return None
+    conf = dict(sc.getConf().getAll())
+    amounts = {"cpus": float(conf.get("spark.task.cpus", "1"))}
+    amounts.update({k.split(".")[3]: float(v) for k, v in conf.items()
+                    if k.startswith("spark.task.resource.") and k.endswith(".amount")})
+    amounts = {k: a * per if a * per <= 1 else float(math.floor(a * per)) for k, a in amounts.items()}
+    key = (sc.applicationId, tuple(sorted(amounts.items())))
+    if key not in _PROFILES:
+        from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+        asks = TaskResourceRequests().cpus(amounts.pop("cpus"))
+        for name, amount in amounts.items():
+            asks.resource(name, amount)
+        profile = ResourceProfileBuilder().require(asks).build
+        try:
+            j.resourceProfileManager().addResourceProfile(profile._java_resource_profile)
+        except Exception:  # noqa: BLE001 - a master without stage-level scheduling: Spark's own placement
+            profile = None
+        _PROFILES[key] = profile
+    return _PROFILES[key]
+
+
 class SparkEngine(AgentEngine):
     """The executors of one Spark application, and a barrier stage of agents on them."""
 
@@ -96,6 +140,7 @@ class SparkEngine(AgentEngine):
         if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
             raise LaunchError("cluster='spark' runs a barrier stage, which Spark does not run with dynamic "
                               "allocation: start the session with spark.dynamicAllocation.enabled=false")
+        self._profile = None  # one task per executor (_one_task_each), once executors are there
         self._asked = self.spec.nodes or (config.num_nodes if config.num_nodes > 1 else None)
         self._want = self._asked or 0  # 0: one per executor, counted in allocate
         self._slots = self._capacity()
@@ -105,7 +150,9 @@ class SparkEngine(AgentEngine):
     def _capacity(self) -> int:
         """How many tasks the application's executors run at once (what a barrier stage may have)."""
         j = self.sc._jsc.sc()
-        return int(j.maxNumConcurrentTasks(j.resourceProfileManager().defaultResourceProfile()))
+        self._profile = _one_task_each(self.sc) if _executors(self.sc) else None
+        rp = self._profile._java_resource_profile if self._profile is not None else None
+        return int(j.maxNumConcurrentTasks(rp or j.resourceProfileManager().defaultResourceProfile()))
 
     def _too_many(self, nodes: int) -> str:
         return (f"{nodes} nodes were asked for, and the Spark application's executors run {self._slots} tasks at "
@@ -148,7 +195,11 @@ class SparkEngine(AgentEngine):
         from .slurm import without_slurm_vars
 
         environ = {k: v for k, v in {**without_slurm_vars(os.environ), **env}.items() if k not in _KERNEL_ONLY}
-        return _Stage(self.sc, self._want, environ)
+        last = _LAST_STAGE.get(self.sc.applicationId)
+        if last is not None:  # its tasks hold the executors' slots until it has ended
+            last.ended(CANCEL_WAIT_S + TEARDOWN_WAIT_S)
+        stage = _LAST_STAGE[self.sc.applicationId] = _Stage(self.sc, self._want, environ, self._profile)
+        return stage
 
     def close(self) -> None:
         pass  # the session is the notebook's: it stays
@@ -159,7 +210,7 @@ class _Stage(AgentStep):
 
     what = "Spark barrier stage"
 
-    def __init__(self, sc, nodes: int, environ: dict):
+    def __init__(self, sc, nodes: int, environ: dict, profile=None):
         from pyspark import cloudpickle
         from pyspark.accumulators import AccumulatorParam
 
@@ -171,12 +222,13 @@ class _Stage(AgentStep):
                 return a + b
 
         cloudpickle.register_pickle_by_value(spark_task)  # the executors need not import nblaunch for the task
-        self._sc, self._nodes = sc, nodes
+        self._sc, self._nodes, self._profile = sc, nodes, profile
         self._group = f"nblaunch-{uuid.uuid4().hex[:12]}"
         self._ends = sc.accumulator([], _Ends())
         self._executors = set(_executors(sc))
         self._failed: Optional[str] = None
         self._decommission_check = 0.0
+        self._ender: Optional[threading.Thread] = None  # ends the stage once the agents have left
         task = functools.partial(spark_task.run_agent, environ, os.getcwd(), sys.executable, self._ends)
         self._thread = threading.Thread(target=self._run, args=(task,), name="nblaunch-spark-stage", daemon=True)
         self._thread.start()
@@ -185,7 +237,8 @@ class _Stage(AgentStep):
         sc = self._sc
         try:
             sc.setJobGroup(self._group, f"nblaunch: {self._nodes} node agents", interruptOnCancel=True)
-            sc.parallelize(range(self._nodes), self._nodes).barrier().mapPartitions(task).collect()
+            stage = sc.parallelize(range(self._nodes), self._nodes).barrier().mapPartitions(task)
+            (stage.withResources(self._profile) if self._profile is not None else stage).collect()
         except BaseException as exc:  # noqa: BLE001 - a cancelled or failed job: the news
             self._failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
 
@@ -223,8 +276,25 @@ class _Stage(AgentStep):
         return ("a decommission", f"Spark executor {leaving[0]}") if leaving else None
 
     def end(self, timeout: float) -> None:
+        """Called once the agents were told to leave and waited for: the
+        stage is ended from a thread of its own (its tasks given ``timeout``
+        to return, then the job group cancelled), and this returns at once."""
+        if self._ender is None:
+            self._ender = threading.Thread(target=self._finish, args=(timeout,), name="nblaunch-spark-end", daemon=True)
+            self._ender.start()
+
+    def _finish(self, timeout: float) -> None:
         self._thread.join(timeout)
         if self._thread.is_alive():
-            self._sc.cancelJobGroup(self._group)
+            try:
+                self._sc.cancelJobGroup(self._group)
+            except Exception:  # noqa: BLE001 - the session was stopped meanwhile: its jobs with it
+                return
             self._thread.join(CANCEL_WAIT_S)
+
+    def ended(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the Spark job to be over; True if it is."""
+        self.end(TEARDOWN_WAIT_S)
+        self._ender.join(timeout)
+        return not self._thread.is_alive()
 

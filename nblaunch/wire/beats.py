@@ -13,6 +13,7 @@ at the clocks, so only a silent peer is called silent.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -46,6 +47,7 @@ class Beats:
         self.silent: dict[Hashable, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake, self._wake_w = os.pipe()  # stop() ends the thread's wait at once, not at the next beat
         self._thread = threading.Thread(target=self._run, name="nblaunch-beats", daemon=True)
         # pydevd (JupyterLab's and VS Code's debugger) leaves its own threads running when it
         # suspends the others at a breakpoint: a kernel paused there still answers.
@@ -71,12 +73,23 @@ class Beats:
     def stop(self) -> None:
         """End the thread and close every link."""
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # stopped before
+            pass
         if self._thread is not threading.current_thread():
             self._thread.join(self.interval + 5)
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        if not self._thread.is_alive():
+            for fd in (self._wake, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake = self._wake_w = -1
 
     def _run(self) -> None:
         due = 0.0
@@ -88,11 +101,10 @@ class Beats:
                     self._send(key, link, Heartbeat())
                 due = time.monotonic() + self.interval
             by_link = {link: key for key, link in links.items()}
-            ready = wait(list(by_link), timeout=max(0.0, due - time.monotonic())) if by_link else []
-            if not by_link:
-                self._stop.wait(self.interval)
+            ready = wait([*by_link, self._wake], timeout=max(0.0, due - time.monotonic()))
             for link in ready:
-                self._read(by_link[link], link)
+                if link in by_link:
+                    self._read(by_link[link], link)
             self._look()
 
     def _read(self, key: Hashable, link: Connection) -> None:
