@@ -73,25 +73,29 @@ class Beats:
     def stop(self) -> None:
         """End the thread and close every link."""
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # stopped before
-            pass
+        with self._lock:  # the thread closes the pipe as it ends: never write to a number reused since
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
         if self._thread is not threading.current_thread():
             self._thread.join(self.interval + 5)
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
-        if not self._thread.is_alive():
-            for fd in (self._wake, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._wake = self._wake_w = -1
+
+    def _close_wake(self) -> None:
+        with self._lock:
+            fds, self._wake, self._wake_w = (self._wake, self._wake_w), -1, -1
+        for fd in fds:
+            os.close(fd)
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        finally:
+            self._close_wake()
+
+    def _beat(self) -> None:
         due = 0.0
         while not self._stop.is_set():
             with self._lock:
