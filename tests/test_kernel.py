@@ -308,7 +308,29 @@ def test_a_kernel_killed_during_its_first_launch_leaves_nothing_after_a_second(m
             seen.setdefault(p.pid, p)
         os.kill(k.pid, signal.SIGKILL)
         assert msg_id
-        left = wait_gone(list(seen), timeout=1.0)
-        assert left == [], [" ".join(seen[pid].cmdline())[-120:] for pid in left]
+        left = [pid for pid in wait_gone(list(seen), timeout=1.0) if not _dying(pid)]
+        assert left == [], [_cmdline(seen[pid]) for pid in left]
+        assert wait_gone(list(seen), timeout=30) == []  # a SIGKILLed torch process takes its time to exit on a loaded machine
     finally:
         k.shutdown()
+
+
+def _dying(pid: int) -> bool:
+    """``pid`` is gone, exiting (the kernel's PF_EXITING: still unmapping its memory) or has a
+    SIGKILL pending: what ends it has happened."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except (OSError, IndexError, ValueError):
+        return True
+    pending = any(int(fields.get(k, "0").strip(), 16) & (1 << (signal.SIGKILL - 1)) for k in ("SigPnd", "ShdPnd"))
+    return bool(flags & 0x4) or pending  # PF_EXITING
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[-120:]
+    except psutil.Error as exc:
+        return repr(exc)
