@@ -80,10 +80,14 @@ def losing_a_node():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The lost-node tutorial loses a node on purpose, as the tests marked
-    ``long`` do: it runs with them (``pytest -m long``), not in the README's command."""
+    """The SLURM tutorial runs with the SLURM engine's tests (``pytest -m
+    slurm``); the lost-node tutorial loses a node on purpose, as the tests
+    marked ``long`` do, and runs with them (``pytest -m long``): neither in
+    the README's command."""
     for item in items:
-        if item.path.name == "09_lost_node.ipynb":
+        if item.path.name == "07_slurm.ipynb":
+            item.add_marker(pytest.mark.slurm)
+        elif item.path.name == "09_lost_node.ipynb":
             item.add_marker(pytest.mark.long)
 
 

@@ -49,6 +49,7 @@ def train_compiled(steps):
 """
 
 
+@pytest.mark.long  # inductor compiles in the kernel and in each rank: a minute of 2 cores
 def test_ddp_of_a_compiled_model_trains_after_a_compile_in_the_kernel(tmp_path):
     """The kernel compiled first (its compile pool's threads are not in a
     forked rank), then forked ranks train DDP(torch.compile(model)), against

@@ -12,7 +12,7 @@ import pytest
 from conftest import Kernel, wait_gone
 from test_slurm import TRAIN, _agents, _nothing_left, _ok, allocation, needs_slurm  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slurm]
 
 EXPECTED = ("[(0, 4, 'n1', 0, 0, 4, 6.0), (1, 4, 'n1', 0, 1, 4, 6.0), (2, 4, 'n2', 1, 2, 4, 6.0), "
             "(3, 4, 'n2', 1, 3, 4, 6.0)]")

@@ -23,7 +23,7 @@ import pytest
 import slurm_cluster
 from conftest import Kernel
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slurm]
 
 
 _WHY_NOT = slurm_cluster.why_not()

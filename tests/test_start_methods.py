@@ -143,7 +143,7 @@ def test_unpicklable_input_is_named_before_any_rank_starts(method):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-@pytest.mark.parametrize("method", ["spawn", *matrix("forkserver")])
+@pytest.mark.parametrize("method", ["forkserver", *matrix("spawn")])
 def test_interrupt_and_orphans_under_non_fork_methods(method):
     k = Kernel()
     try:
