@@ -35,6 +35,7 @@ def notebook_launcher(
     min_nodes: Optional[int] = None,
     preempt_grace: float = 30.0,
     node_lost_after: Optional[float] = None,
+    max_nodes: Optional[int] = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -82,7 +83,10 @@ def notebook_launcher(
     seconds (default ``NBLAUNCH_NODE_LOST_AFTER``, else 10) is lost, even if
     nothing closed (a hung machine, a partition); so is, to its agents, a
     kernel silent that long. The node hosting ``rdzv_endpoint``'s store
-    cannot be lost without ending the run.
+    cannot be lost without ending the run. ``max_nodes`` (with
+    ``min_nodes``): the most nodes a generation may run on (default: the
+    nodes the launch started with); one below ``min_nodes``, or above what
+    the rendezvous or the allocation can hold, is refused before anything starts.
 
     Preemption: SIGTERM or SIGUSR1 to the kernel or a cluster's agents, or
     SIGTERM to the ranks from outside nblaunch (what SLURM sends on
@@ -106,7 +110,8 @@ def notebook_launcher(
         master_addr=master_addr, threads_per_rank=threads_per_rank, timeout=timeout, display=display,
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
-        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace, node_lost_after=node_lost_after)
+        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace, node_lost_after=node_lost_after,
+        max_nodes=max_nodes)
     refuse_inside_a_rank("notebook_launcher")
     with one_at_a_time(
             "another launch is running in this kernel (started from another thread); nblaunch runs "

@@ -191,7 +191,8 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
           stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
-          min_nodes: Optional[int] = None, node_lost_after: Optional[float] = None) -> Ranks:
+          min_nodes: Optional[int] = None, node_lost_after: Optional[float] = None,
+          max_nodes: Optional[int] = None) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -209,7 +210,7 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
                           cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes,
-                          node_lost_after=node_lost_after)
+                          node_lost_after=node_lost_after, max_nodes=max_nodes)
     refuse_inside_a_rank("nblaunch.start")
     up = active()
     status = up.status if up is not None else None

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from .agent_engine import AgentEngine, AgentStep
 from ..clusters import Slurm
+from ..config import check_max_nodes
 from ..errors import LaunchError
 
 __all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
@@ -78,6 +79,8 @@ class SlurmEngine(AgentEngine):
                 "Open OnDemand), or ask for one: cluster=nblaunch.Slurm(nodes=2, partition=..., time=...).")
         if self._job is not None:
             self._read_allocation()
+        else:
+            check_max_nodes(config.max_nodes, config.min_nodes, self._want, f"Slurm(nodes={self._want})")
 
     @property
     def num_nodes(self) -> int:
@@ -158,6 +161,7 @@ class SlurmEngine(AgentEngine):
         if want > len(hosts):
             raise LaunchError(f"{want} nodes were asked for, and {self.label} has {len(hosts)} "
                               f"({', '.join(hosts)})")
+        check_max_nodes(self.config.max_nodes, self.config.min_nodes, len(hosts), self.label)
         self.hosts = hosts[:want]
         self.addrs = [self._node_addr(h) for h in self.hosts]
         cpus, nodes = int(fields.get("NumCPUs", "1")), int(fields.get("NumNodes", "1"))
