@@ -20,9 +20,11 @@ from .clusters import Ray, Slurm, Spark
 from .rank.results import max_result_bytes
 from .system.network import route_address
 
-__all__ = ["LaunchConfig", "check_call", "check_call_options", "check_max_nodes", "lost_after", "LOST_AFTER_S"]
+__all__ = ["LaunchConfig", "check_call", "check_call_options", "check_max_nodes", "lost_after", "LOST_AFTER_S",
+           "BACK_AFTER_S"]
 
 LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
+BACK_AFTER_S = 10.0  # node_back_after's default: usable this long before a node is taken back
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
@@ -59,6 +61,7 @@ class LaunchConfig:
     preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
     node_lost_after: Optional[float] = None  # seconds without a heartbeat before a node is lost (None: lost_after())
     max_nodes: Optional[int] = None  # with min_nodes: the most nodes a generation grows back to (None: as it started)
+    node_back_after: float = BACK_AFTER_S  # seconds a node stays usable before it is taken back (no flapping)
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
     # A background run's share of the machine (nblaunch.background): CPU numbers
     # and GPU indices, made sorted tuples when checked (_check_share).
@@ -212,8 +215,11 @@ def _check_resilience(c: LaunchConfig) -> None:
 
 
 def _check_growth(c: LaunchConfig) -> None:
-    """``max_nodes``: only with ``min_nodes`` (a run whose size cannot change has no
-    size to grow back to)."""
+    """``max_nodes`` (only with ``min_nodes``: a run whose size cannot change has no
+    size to grow back to) and ``node_back_after``."""
+    b = c.node_back_after
+    if isinstance(b, bool) or not isinstance(b, Real) or not 0 <= b < 1e6:
+        raise ValueError(f"node_back_after must be a number of seconds >= 0, got {b!r}")
     if c.max_nodes is not None and c.min_nodes is None:
         raise ValueError("max_nodes is the size a run grows back to after it lost nodes: give min_nodes too")
 
