@@ -221,6 +221,10 @@ class Session:
         if self.shrunk and counted:  # the first run after a lost node says so
             view.notice(self.shrunk)
             self.shrunk = ""
+        back = self.engine.nodes_back() if counted and self.config.min_nodes is not None else []
+        if back:  # live ranks never grow unasked: their state would be lost
+            view.notice(f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: ranks.grow() takes "
+                        f"{'it' if len(back) == 1 else 'them'} in (the ranks restart on more nodes; what they hold is lost)")
         watch = LiveCallWatch(pool, view, number, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
         if counted:
@@ -258,6 +262,15 @@ class Session:
         on = f" on the {self.engine.job_nodes} nodes still up" if self.shrunk else ""
         return (f"The session restarted its ranks{on} ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
+
+    def grow(self) -> list:
+        """Live ranks onto the nodes back (``engine.nodes_back``), restarted: their state is lost.
+        Returns the nodes taken in (none: nothing was back, the ranks are left as they are)."""
+        back = self.engine.nodes_back()
+        if back:
+            self.engine.grow(back)
+            self.restart()
+        return back
 
     def restart(self) -> None:
         """Replace the live ranks with a new generation (their state is lost)."""

@@ -106,3 +106,31 @@ def test_a_node_whose_slurmd_comes_back_is_taken_back_and_the_run_is_on_three_no
           f"on three nodes again {grown:.1f} s later (node_back_after 10 s)")
     print(text)
 
+
+
+@needs_three
+def test_live_ranks_never_grow_unasked_and_grow_takes_the_node_back(three_nodes):
+    job, k = three_nodes
+    _ok(k.execute("import os, nblaunch\n"
+                  "ranks = nblaunch.start(1, cluster='slurm', min_nodes=2, node_back_after=3)\n"
+                  "where = lambda: (int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), "
+                  "os.environ['SLURMD_NODENAME'])\n"
+                  "print(ranks.run(where, display='none'))", timeout=120))
+    slurmd = _slurmd_pid("n3")
+    assert slurmd is not None
+    _agent_on(job, "n3").send_signal(signal.SIGKILL)
+    os.kill(slurmd, signal.SIGKILL)
+    try:
+        r = k.execute("ranks.run(where, display='none')", timeout=120)
+        assert r.error is not None and "restarted its ranks on the 2 nodes still up" in "\n".join(r.error["traceback"])
+    finally:
+        _restart_slurmd("n3")
+    t_back, text = time.monotonic(), ""
+    while "n3 is back" not in text:  # each run is one more chance for the probes to have said so
+        assert time.monotonic() - t_back < 90, f"no run said n3 is back within 90 s:\n{text}"
+        text = _ok(k.execute("print(ranks.run(where, display='text'))", timeout=120))
+    assert "[(0, 2, 'n1'), (1, 2, 'n2')]" in text, text  # said, not taken: the ranks keep their state
+    assert "n3 is back: ranks.grow() takes it in" in text, text
+    text = _ok(k.execute("print(ranks.grow()); print(ranks.run(where, display='none')); ranks.close()", timeout=180))
+    assert "['n3']" in text and "[(0, 3, 'n1'), (1, 3, 'n2'), (2, 3, 'n3')]" in text, text
+    print(f"n3 said back {time.monotonic() - t_back:.1f} s after its slurmd (node_back_after=3)")
