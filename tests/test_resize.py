@@ -239,3 +239,14 @@ def test_the_session_calls_fn_again_on_more_nodes_and_lists_the_resize(monkeypat
     assert list(results) == ["done"] * 3  # the resized generation's "generation 0" dropped
     assert results.restarts == ["restart 1 of 1: n3 back; 3 nodes, 3 ranks"]
     assert engine.pools[0].why == "resize: n3 is back"
+
+
+def test_at_max_nodes_the_allocations_other_nodes_are_not_probed(fake_slurm):
+    import threading
+
+    config = LaunchConfig(1, cluster=slurm_engine.Slurm(job="12", nodes=2), max_restarts=1, min_nodes=1)
+    engine = engine_for(config)
+    engine.new_pool(None, 0).close()  # the first generation (never started): max_nodes is its nodes
+    assert (engine.spare(), engine.max_nodes, engine.nodes_back()) == (["n3"], 2, [])
+    assert "nblaunch-comebacks" not in [t.name for t in threading.enumerate()]
+    engine.close()

@@ -125,8 +125,12 @@ class AgentEngine(Engine):
         if self._comebacks is None:
             if not self.spare():
                 return []
-            self._comebacks = Comebacks(self.spare, self.usable, self.config.node_back_after)
+            self._comebacks = Comebacks(self._candidates, self.usable, self.config.node_back_after)
         return self._comebacks.back()[:room]
+
+    def _candidates(self) -> list[str]:
+        # At max_nodes, the allocation's other nodes are not probed: nothing would take them.
+        return self.spare() if self.num_nodes < self.max_nodes else []
 
     def grow(self, names: list[str]) -> None:
         self.with_nodes(names)
