@@ -139,8 +139,8 @@ class Session:
                 results.restarts = list(history.lines)
                 return results
             except Resized as resized:
-                engine.grow(resized.nodes)
-                history.resized(resized.nodes, engine.job_nodes, engine.job_world_size)
+                taken = engine.grow(resized.nodes)
+                history.resized(taken or resized.nodes, engine.job_nodes, engine.job_world_size, taken=bool(taken))
             except WorkerError as exc:
                 if failed == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                     raise history.final(exc) from exc.__cause__
@@ -266,9 +266,8 @@ class Session:
     def grow(self) -> list:
         """Live ranks onto the nodes back (``engine.nodes_back``), restarted: their state is lost.
         Returns the nodes taken in (none: nothing was back, the ranks are left as they are)."""
-        back = self.engine.nodes_back()
+        back = self.engine.grow(self.engine.nodes_back())
         if back:
-            self.engine.grow(back)
             self.restart()
         return back
 

@@ -118,6 +118,17 @@ def test_a_node_that_flaps_is_never_taken_back():
     assert steady.back(100) == []
 
 
+def test_a_node_taken_back_and_lost_again_starts_over():
+    """A probe that answered as the node was taken back left a good run that, once the node
+    was lost again, took it at once (the soak's launch ended on it)."""
+    steady = Steady(10.0)
+    for t in (0, 2, 4, 6, 8, 10):
+        steady.seen("n3", True, t)
+    steady.keep([])  # taken back: not a candidate while the run uses it
+    steady.seen("n2", True, 11)
+    assert steady.back(200) == ["n2"]  # n3, lost again at 200, is not back at once
+
+
 def test_a_node_down_for_long_is_probed_less_often():
     steady = Steady(10.0)
     assert steady.due("n3", None, 0)
@@ -227,6 +238,7 @@ class FakeEngine(Engine):
 
     def grow(self, names):
         self.nodes += len(names)
+        return names
 
 
 def test_the_session_calls_fn_again_on_more_nodes_and_lists_the_resize(monkeypatch):

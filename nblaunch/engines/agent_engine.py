@@ -132,10 +132,15 @@ class AgentEngine(Engine):
         # At max_nodes, the allocation's other nodes are not probed: nothing would take them.
         return self.spare() if self.num_nodes < self.max_nodes else []
 
-    def grow(self, names: list[str]) -> None:
-        self.with_nodes(names)
+    def grow(self, names: list[str]) -> list[str]:
+        """The next generations on ``names`` too, each probed once more first: one
+        gone since would fail the next generation's start, and the launch with it."""
+        names = [n for n in names if self.usable(n)]
+        if names:
+            self.with_nodes(names)
         if self._comebacks is not None:
             self._comebacks.taken(names)
+        return names
 
     def close(self) -> None:
         """Stop probing; a kind gives back what it asked for, then calls this."""

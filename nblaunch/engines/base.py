@@ -85,8 +85,10 @@ class Engine(abc.ABC):
         tick of a generation: cheap. None here: one machine cannot grow."""
         return []
 
-    def grow(self, names: list) -> None:
-        """Run the next generations on the nodes named too (from :meth:`nodes_back`)."""
+    def grow(self, names: list) -> list:
+        """Run the next generations on the nodes named too (from :meth:`nodes_back`);
+        returns those taken (a node may have gone again since)."""
+        return []
 
     def close(self) -> None:
         """Give back what the engine holds (a store, a rendezvous, an

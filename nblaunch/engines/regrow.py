@@ -48,6 +48,11 @@ class Steady:
             self._since.pop(node, None)
             self._bad.pop(node, None)
 
+    def keep(self, candidates) -> None:
+        """Forget every node but ``candidates``: a node taken back and lost again starts over
+        (its old good run, or a probe that answered as it was taken, would take it at once)."""
+        self.forget([n for n in list(self._since) + list(self._bad) if n not in candidates])
+
     def back(self, now: float) -> list[str]:
         """Nodes usable at every probe for ``after`` seconds, longest first."""
         ready = [(t, n) for n, t in self._since.items() if now - t >= self.after]
@@ -89,7 +94,10 @@ class Comebacks:
     def _run(self) -> None:
         last: dict[str, float] = {}
         while not self._stop.wait(0.2):
-            for node in self._candidates():
+            with self._lock:
+                candidates = list(self._candidates())
+                self._steady.keep(candidates)
+            for node in candidates:
                 now = time.monotonic()
                 with self._lock:
                     due = self._steady.due(node, last.get(node), now)
@@ -101,4 +109,5 @@ class Comebacks:
                     ok = False
                 last[node] = time.monotonic()
                 with self._lock:
-                    self._steady.seen(node, ok, now)
+                    if node in self._candidates():  # not taken back while it was probed
+                        self._steady.seen(node, ok, now)

@@ -36,10 +36,12 @@ class History:
         rank -> its bar's last step); the next has ``nodes`` and ``world_size``."""
         self._add(exc.root.brief() + at_step(steps, exc.root.rank), nodes, world_size)
 
-    def resized(self, back: list, nodes: int, world_size: int) -> None:
-        """Generation ``len(causes)`` ended because the nodes ``back`` came back; the next is larger."""
+    def resized(self, back: list, nodes: int, world_size: int, taken: bool = True) -> None:
+        """Generation ``len(causes)`` ended because the nodes ``back`` came back; the next is
+        larger (``taken``), or not, if they were gone again when it was made."""
         self.resizes += 1
-        self._add(f"{', '.join(back)} back", nodes, world_size)
+        self._add(f"{', '.join(back)} back" + ("" if taken else ", gone again before it could be used"), nodes,
+                  world_size)
 
     def _add(self, cause: str, nodes: int, world_size: int) -> None:
         self.sizes.append((time.monotonic() - self._t0, nodes))
