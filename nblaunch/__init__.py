@@ -14,7 +14,7 @@ _LAZY = {"notebook_launcher": ".launcher", "LaunchResults": ".session", "Ranks":
          "submit": ".background.submit", "runs": ".background.submit", "Run": ".background.in_kernel",
          "RunStopped": ".errors", "attach": ".background.detached", "debug": ".watch.postmortem",
          "progress": ".rank.progress", "log": ".rank.progress", "sharded_loader": ".rank.data",
-         "preempted": ".rank.notice", "Ray": ".clusters", "Slurm": ".clusters", "Spark": ".clusters", **dict.fromkeys(
+         "preempted": ".rank.notice", "preempt_reason": ".rank.notice", "Ray": ".clusters", "Slurm": ".clusters", "Spark": ".clusters", **dict.fromkeys(
              ("LaunchError", "LaunchTimeout", "Preempted", "RankFailure", "WorkerError"), ".errors")}
 
 if _started_as_agent():
@@ -42,11 +42,11 @@ else:
     from .watch.postmortem import debug
     from .rank.progress import log, progress
     from .rank.data import sharded_loader
-    from .rank.notice import preempted
+    from .rank.notice import preempt_reason, preempted
     from .clusters import Ray, Slurm, Spark
 
 __all__ = ["notebook_launcher", "start", "Ranks", "LaunchResults", "progress", "log", "sharded_loader", "LaunchError",
-           "WorkerError", "LaunchTimeout", "Preempted", "preempted", "RankFailure", "Slurm", "Ray", "Spark", "debug",
+           "WorkerError", "LaunchTimeout", "Preempted", "preempted", "preempt_reason", "RankFailure", "Slurm", "Ray", "Spark", "debug",
            "submit", "Run", "RunStopped", "runs", "attach"]
 __version__ = "0.1.0"
 

@@ -20,9 +20,11 @@ from .clusters import Ray, Slurm, Spark
 from .rank.results import max_result_bytes
 from .system.network import route_address
 
-__all__ = ["LaunchConfig", "check_call", "check_call_options", "lost_after", "LOST_AFTER_S"]
+__all__ = ["LaunchConfig", "check_call", "check_call_options", "check_max_nodes", "lost_after", "LOST_AFTER_S",
+           "BACK_AFTER_S"]
 
 LOST_AFTER_S = 10.0  # NBLAUNCH_NODE_LOST_AFTER's default
+BACK_AFTER_S = 10.0  # node_back_after's default: usable this long before a node is taken back
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
@@ -58,6 +60,8 @@ class LaunchConfig:
     min_nodes: Optional[int] = None  # with max_restarts: a lost node's generation restarts on the others if this many are up
     preempt_grace: float = 30.0  # seconds the ranks get to save and return once preempted
     node_lost_after: Optional[float] = None  # seconds without a heartbeat before a node is lost (None: lost_after())
+    max_nodes: Optional[int] = None  # with min_nodes: the most nodes a generation grows back to (None: as it started)
+    node_back_after: float = BACK_AFTER_S  # seconds a node stays usable before it is taken back (no flapping)
     cluster: Any = None  # None (this machine), "slurm"/"ray" or Slurm(...)/Ray(...): made one of those when checked
     # A background run's share of the machine (nblaunch.background): CPU numbers
     # and GPU indices, made sorted tuples when checked (_check_share).
@@ -73,6 +77,7 @@ class LaunchConfig:
         _check_cluster(self)
         _check_counts(self)
         _check_resilience(self)
+        _check_growth(self)
         _check_share(self)
         endpoint = None if self.cluster is not None else _check_nodes(self)
         object.__setattr__(self, "endpoint", endpoint)
@@ -204,6 +209,36 @@ def _check_resilience(c: LaunchConfig) -> None:
     nodes = c.num_nodes if c.num_nodes > 1 else c.cluster.nodes
     if not 1 <= m <= (nodes or m):
         raise ValueError(f"min_nodes must be between 1 and the number of nodes ({nodes}), got {m}")
+    # Nodes joined by the rendezvous meet in rounds of at most num_nodes; a
+    # cluster's engine knows what its allocation holds once it has found it.
+    check_max_nodes(c.max_nodes, m, c.num_nodes if c.cluster is None else None, "the c10d rendezvous of num_nodes")
+
+
+def _check_growth(c: LaunchConfig) -> None:
+    """``max_nodes`` (only with ``min_nodes``: a run whose size cannot change has no
+    size to grow back to) and ``node_back_after``."""
+    b = c.node_back_after
+    if isinstance(b, bool) or not isinstance(b, Real) or not 0 <= b < 1e6:
+        raise ValueError(f"node_back_after must be a number of seconds >= 0, got {b!r}")
+    if c.max_nodes is not None and c.min_nodes is None:
+        raise ValueError("max_nodes is the size a run grows back to after it lost nodes: give min_nodes too")
+
+
+def check_max_nodes(max_nodes: Optional[int], min_nodes: Optional[int], holds: Optional[int], what: str) -> None:
+    """The rule on ``max_nodes``, one line when refused: an int, at least
+    ``min_nodes``, at most ``holds`` (what ``what`` can hold: the nodes of the
+    rendezvous or of the allocation; None: not known yet)."""
+    if max_nodes is None:
+        return
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+        raise TypeError(f"max_nodes must be an int or None, got {type(max_nodes).__name__}: {max_nodes!r}")
+    if min_nodes is not None and max_nodes < min_nodes:
+        raise ValueError(f"max_nodes={max_nodes} is below min_nodes={min_nodes}: a run may not grow to fewer "
+                         "nodes than it may shrink to")
+    if holds is not None and max_nodes > holds:
+        raise ValueError(f"max_nodes={max_nodes} is more than {what} can hold ({holds} nodes)")
+
+
 def _check_share(c: LaunchConfig) -> None:
     """``cpus`` (CPU numbers this process may use) and ``devices`` (GPU
     indices of this machine): distinct ints, made sorted tuples. Only for

@@ -35,6 +35,8 @@ def notebook_launcher(
     min_nodes: Optional[int] = None,
     preempt_grace: float = 30.0,
     node_lost_after: Optional[float] = None,
+    max_nodes: Optional[int] = None,
+    node_back_after: float = 10.0,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks; return their results.
 
@@ -82,7 +84,14 @@ def notebook_launcher(
     seconds (default ``NBLAUNCH_NODE_LOST_AFTER``, else 10) is lost, even if
     nothing closed (a hung machine, a partition); so is, to its agents, a
     kernel silent that long. The node hosting ``rdzv_endpoint``'s store
-    cannot be lost without ending the run.
+    cannot be lost without ending the run. With ``min_nodes``, a node that
+    is usable again (its slurmd back in the SLURM allocation, or one of the
+    allocation's not used yet) for ``node_back_after`` seconds is taken
+    back, up to ``max_nodes`` (default: the nodes the launch started with):
+    the ranks get the preemption notice (``nblaunch.preempt_reason()``
+    starts with ``resize``), save and return within ``preempt_grace``, and
+    ``fn`` is called again on the larger set of nodes (what they returned is
+    dropped; a resize never counts against ``max_restarts``).
 
     Preemption: SIGTERM or SIGUSR1 to the kernel or a cluster's agents, or
     SIGTERM to the ranks from outside nblaunch (what SLURM sends on
@@ -106,7 +115,8 @@ def notebook_launcher(
         master_addr=master_addr, threads_per_rank=threads_per_rank, timeout=timeout, display=display,
         stall_warning=stall_warning, num_nodes=num_nodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts,
-        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace, node_lost_after=node_lost_after)
+        cluster=cluster, min_nodes=min_nodes, preempt_grace=preempt_grace, node_lost_after=node_lost_after,
+        max_nodes=max_nodes, node_back_after=node_back_after)
     refuse_inside_a_rank("notebook_launcher")
     with one_at_a_time(
             "another launch is running in this kernel (started from another thread); nblaunch runs "

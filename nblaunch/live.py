@@ -106,6 +106,16 @@ class Ranks:
         with one_at_a_time():
             self._session.restart()
 
+    def grow(self) -> list:
+        """Take in the nodes that came back (``min_nodes``: a node lost, or left
+        out, that has been usable for ``node_back_after`` seconds, up to
+        ``max_nodes``; a ``run`` says when there is one): the ranks are
+        restarted on every node, so what they hold is lost. Returns the
+        nodes taken in; none were back: ``[]``, and the ranks are left alone."""
+        self._check_usable()
+        with one_at_a_time():
+            return self._session.grow()
+
     def close(self) -> None:
         """End the ranks. Closing twice is fine."""
         self._closed = True
@@ -191,7 +201,8 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
           init_process_group: bool = True, master_addr: Optional[str] = None,
           threads_per_rank: Optional[int] = None, display: str = "auto",
           stall_warning: Optional[float] = 60.0, cluster=None, num_nodes: int = 1,
-          min_nodes: Optional[int] = None, node_lost_after: Optional[float] = None) -> Ranks:
+          min_nodes: Optional[int] = None, node_lost_after: Optional[float] = None,
+          max_nodes: Optional[int] = None, node_back_after: float = 10.0) -> Ranks:
     """Start ``num_processes`` ranks that stay up across cells; returns :class:`Ranks`.
 
     The ranks get what a ``notebook_launcher`` rank gets (torchrun's
@@ -204,12 +215,15 @@ def start(num_processes: int, *, start_method: str = "auto", backend: str = "aut
     node is lost, the ranks are restarted on the nodes still up if at least
     this many (the next run says so); ``node_lost_after``: seconds without a
     heartbeat before a node is lost, between calls too (``notebook_launcher``'s).
+    Live ranks never grow unasked: once a node left out is usable again for
+    ``node_back_after`` seconds (up to ``max_nodes``), the next ``run`` says
+    so, and :meth:`Ranks.grow` takes it in.
     """
     config = LaunchConfig(num_processes, start_method=start_method, backend=backend,
                           init_process_group=init_process_group, master_addr=master_addr,
                           threads_per_rank=threads_per_rank, display=display, stall_warning=stall_warning,
                           cluster=cluster, num_nodes=num_nodes, min_nodes=min_nodes,
-                          node_lost_after=node_lost_after)
+                          node_lost_after=node_lost_after, max_nodes=max_nodes, node_back_after=node_back_after)
     refuse_inside_a_rank("nblaunch.start")
     up = active()
     status = up.status if up is not None else None

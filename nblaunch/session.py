@@ -17,6 +17,7 @@ silently half-working session.
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import sys
 import threading
@@ -32,6 +33,7 @@ from .errors import LaunchError, LaunchTimeout, WorkerError, render_interrupt
 from .outcome import status_of
 from .watch.preempt import Catcher
 from .watch.restarts import History, may_restart
+from .watch.resize import Resized
 from .engines.pool import RankPool
 from .engines.procs import InterruptsDeferred
 from .watch.launch import LaunchWatch
@@ -123,19 +125,28 @@ class Session:
                 multiprocessing.set_start_method(None, force=True)
 
     def _attempts(self, fn: Callable, args: list, kwargs: dict) -> LaunchResults:
+        """Generation after generation, as torch elastic's ``_invoke_run``: a
+        failure restarts while ``max_restarts`` allows; nodes back (``min_nodes``)
+        restart into the larger world, never counted."""
         c, engine = self.config, self.engine
         notices = [engine.notice] if engine.notice else []
         history = self.history
         job = engine.job(fn, tuple(args), kwargs)
         catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
-        for attempt in range(c.max_restarts + 1):
+        history.begin(engine.job_nodes)
+        failed = 0
+        for attempt in itertools.count():
             try:
                 results = self._attempt(job, attempt, notices + history.lines, catcher)
                 results.restarts = list(history.lines)
                 return results
+            except Resized as resized:
+                taken = engine.grow(resized.nodes)
+                history.resized(taken or resized.nodes, engine.job_nodes, engine.job_world_size, taken=bool(taken))
             except WorkerError as exc:
-                if attempt == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
+                if failed == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                     raise history.final(exc) from exc.__cause__
+                failed += 1
                 self.restarts += 1
                 history.record(exc, self._steps, engine.job_nodes, engine.job_world_size)
         raise AssertionError("unreachable")
@@ -154,6 +165,7 @@ class Session:
                 view.notice(text)
             watch = LaunchWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
                                 job_size=getattr(job, "size", 0), preemption=catcher,
+                                nodes_back=engine.nodes_back if c.min_nodes is not None else None,
                                 stop_requested=self.stop_requested)
             results = watch.run(lambda: engine.place(pool, view))
             status = "finished"
@@ -161,7 +173,7 @@ class Session:
                 view.notice(self.history.summary())
             return LaunchResults(results, str(pool.log_dir), pool.log_files)
         except BaseException as exc:
-            status = status_of(exc)
+            status = "resized" if isinstance(exc, Resized) else status_of(exc)
             raise
         finally:
             self._steps = watch.steps if watch is not None else {}
@@ -212,6 +224,10 @@ class Session:
         if self.shrunk and counted:  # the first run after a lost node says so
             view.notice(self.shrunk)
             self.shrunk = ""
+        back = self.engine.nodes_back() if counted and self.config.min_nodes is not None else []
+        if back:  # live ranks never grow unasked: their state would be lost
+            view.notice(f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: ranks.grow() takes "
+                        f"{'it' if len(back) == 1 else 'them'} in (the ranks restart on more nodes; what they hold is lost)")
         watch = LiveCallWatch(pool, view, number, timeout=timeout,
                           stall_warning=self.config.stall_warning, name=name)
         if counted:
@@ -263,6 +279,14 @@ class Session:
         on = f" on the {self.engine.job_nodes} nodes still up" if self.shrunk else ""
         return (f"The session restarted its ranks{on} ({watch.broken}): what earlier calls built in them "
                 "is gone; run your set-up again.")
+
+    def grow(self) -> list:
+        """Live ranks onto the nodes back (``engine.nodes_back``), restarted: their state is lost.
+        Returns the nodes taken in (none: nothing was back, the ranks are left as they are)."""
+        back = self.engine.grow(self.engine.nodes_back())
+        if back:
+            self.restart()
+        return back
 
     def restart(self) -> None:
         """Replace the live ranks with a new generation (their state is lost)."""

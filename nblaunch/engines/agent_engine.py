@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from .agent_pool import AgentPool
 from .base import Engine
+from .regrow import Comebacks
 from ..rank.env import pg_timeout_for
 from ..wire.payload import PackedJob
 
@@ -65,6 +66,8 @@ class AgentEngine(Engine):
         self.method = self.name
         self.backend = config.backend if config.init_process_group else None  # "auto": the nodes' GPUs decide
         self.pg_timeout = pg_timeout_for(None if live else config.timeout)
+        self._first_nodes: Optional[int] = None  # the nodes of the first generation: max_nodes' default
+        self._comebacks: Optional[Comebacks] = None  # the probes of the nodes left out, once asked
 
     @property
     def world_size(self) -> int:
@@ -96,17 +99,69 @@ class AgentEngine(Engine):
         """Run the next generations without the nodes named (lost ones)."""
         raise NotImplementedError
 
+    # -- growing back (min_nodes): an engine that can fills in spare, usable and with_nodes
+
+    def spare(self) -> list[str]:
+        """The nodes the run could use and does not now (lost ones, unused ones of the allocation)."""
+        return []
+
+    def usable(self, name: str) -> bool:
+        """Whether node ``name`` can run an agent now (a probe; may take seconds)."""
+        return False
+
+    def with_nodes(self, names: list[str]) -> None:
+        """Run the next generations on the nodes named too."""
+        raise NotImplementedError
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a generation runs on: ``max_nodes``, else as many as the first had."""
+        return self.config.max_nodes or self._first_nodes or self.num_nodes
+
+    def nodes_back(self) -> list[str]:
+        """Spare nodes usable for ``node_back_after`` seconds, as many as
+        ``max_nodes`` leaves room for; probed in a thread from the first ask."""
+        room = self.max_nodes - self.num_nodes
+        if self.config.min_nodes is None or room <= 0:
+            return []
+        if self._comebacks is None:
+            if not self.spare():
+                return []
+            self._comebacks = Comebacks(self._candidates, self.usable, self.config.node_back_after)
+        return self._comebacks.back()[:room]
+
+    def _candidates(self) -> list[str]:
+        # At max_nodes, the allocation's other nodes are not probed: nothing would take them.
+        return self.spare() if self.num_nodes < self.max_nodes else []
+
+    def grow(self, names: list[str]) -> list[str]:
+        """The next generations on ``names`` too, each probed once more first: one
+        gone since would fail the next generation's start, and the launch with it."""
+        names = [n for n in names if self.usable(n)]
+        if names:
+            self.with_nodes(names)
+        if self._comebacks is not None:
+            self._comebacks.taken(names)
+        return names
+
+    def close(self) -> None:
+        """Stop probing; a kind gives back what it asked for, then calls this."""
+        if self._comebacks is not None:
+            self._comebacks.close()
+            self._comebacks = None
+
     def shrink(self, failures: list) -> bool:
         """After a generation that lost nodes (failures of kind ``node``):
         the next runs on the nodes still up, if ``min_nodes`` allows (True).
-        A node whose agent vanished is not used again in this launch: its
-        daemon may be gone too, and SLURM would say so only after its
-        ``SlurmdTimeout``."""
+        A node whose agent vanished is left out until a probe has found it
+        usable for ``node_back_after`` (:meth:`nodes_back`): its daemon may be
+        gone too, and SLURM would say so only after its ``SlurmdTimeout``."""
         lost = sorted({f.host or str(f.node) for f in failures if f.kind == "node"})
         least = self.config.min_nodes
         if least is None or not lost or self.num_nodes - len(lost) < least:
             return False
         self.without(lost)
+        self.nodes_back()  # their probes start now: a node back is known by the time it is asked
         return True
 
     def job(self, fn: Callable, args: tuple, kwargs: dict) -> PackedJob:
@@ -116,6 +171,8 @@ class AgentEngine(Engine):
         return PackedJob(super().job(fn, args, kwargs).pack(sharing=False))
 
     def new_pool(self, job: Any, attempt: int) -> "AgentPool":
+        if self._first_nodes is None:
+            self._first_nodes = self.num_nodes
         return AgentPool(self.config, self, job=job, attempt=attempt, live=self.live, pg_timeout=self.pg_timeout)
 
     def place(self, pool, view) -> None:

@@ -78,6 +78,18 @@ class Engine(abc.ABC):
         left out. An engine of one machine cannot: False."""
         return False
 
+    def nodes_back(self) -> list:
+        """Nodes the run left out (lost, or not used yet) that have been usable
+        for ``node_back_after`` seconds, as many as ``max_nodes`` leaves room
+        for: the next generation may grow onto them (:meth:`grow`). Asked every
+        tick of a generation: cheap. None here: one machine cannot grow."""
+        return []
+
+    def grow(self, names: list) -> list:
+        """Run the next generations on the nodes named too (from :meth:`nodes_back`);
+        returns those taken (a node may have gone again since)."""
+        return []
+
     def close(self) -> None:
         """Give back what the engine holds (a store, a rendezvous, an
         allocation it asked for). Safe twice."""

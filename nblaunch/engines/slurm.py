@@ -22,12 +22,14 @@ from typing import Callable, Optional
 
 from .agent_engine import AgentEngine, AgentStep
 from ..clusters import Slurm
+from ..config import check_max_nodes
 from ..errors import LaunchError
 
 __all__ = ["Slurm", "SlurmEngine", "without_slurm_vars"]
 
 SCONTROL_TIMEOUT_S = 30.0
 PENDING_POLL_S = 1.0
+PROBE_TIMEOUT_S = 10.0  # a step of `true` on a node that came back (srun to a dead slurmd may hang)
 
 
 def _slurm_command(name: str) -> str:
@@ -70,6 +72,7 @@ class SlurmEngine(AgentEngine):
         self._want = spec.nodes or num_nodes
         self.hosts: list[str] = []
         self.addrs: list[str] = []
+        self._allocated: list[str] = []  # every node of the allocation, in its order
         self._cpus = 1
         if self._job is None and self._want is None:
             raise LaunchError(
@@ -78,6 +81,8 @@ class SlurmEngine(AgentEngine):
                 "Open OnDemand), or ask for one: cluster=nblaunch.Slurm(nodes=2, partition=..., time=...).")
         if self._job is not None:
             self._read_allocation()
+        else:
+            check_max_nodes(config.max_nodes, config.min_nodes, self._want, f"Slurm(nodes={self._want})")
 
     @property
     def num_nodes(self) -> int:
@@ -158,7 +163,8 @@ class SlurmEngine(AgentEngine):
         if want > len(hosts):
             raise LaunchError(f"{want} nodes were asked for, and {self.label} has {len(hosts)} "
                               f"({', '.join(hosts)})")
-        self.hosts = hosts[:want]
+        check_max_nodes(self.config.max_nodes, self.config.min_nodes, len(hosts), self.label)
+        self._allocated, self.hosts = hosts, hosts[:want]
         self.addrs = [self._node_addr(h) for h in self.hosts]
         cpus, nodes = int(fields.get("NumCPUs", "1")), int(fields.get("NumNodes", "1"))
         self._cpus = max(1, cpus // max(1, nodes))
@@ -166,6 +172,26 @@ class SlurmEngine(AgentEngine):
     def without(self, names: list[str]) -> None:
         kept = [i for i, h in enumerate(self.hosts) if h not in names]
         self.hosts, self.addrs = [self.hosts[i] for i in kept], [self.addrs[i] for i in kept]
+
+    def spare(self) -> list[str]:
+        return [h for h in self._allocated if h not in self.hosts]
+
+    def with_nodes(self, names: list[str]) -> None:
+        hosts = [h for h in self._allocated if h in self.hosts or h in names]
+        self.hosts, self.addrs = hosts, [self._node_addr(h) for h in hosts]
+
+    def usable(self, name: str) -> bool:
+        """A step of ``true`` on the node, in the allocation: its slurmd is back and
+        SLURM still counts it in the job (a node it found down is taken out of a
+        ``--no-kill`` job, and then never comes back into it)."""
+        try:
+            done = subprocess.run([_slurm_command("srun"), f"--jobid={self._job}", "--overlap", "--nodes=1",
+                                   "--ntasks=1", f"--nodelist={name}", "--job-name=nblaunch-probe", "true"],
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_TIMEOUT_S,
+                                  env=without_slurm_vars(os.environ))
+        except (subprocess.TimeoutExpired, OSError, LaunchError):
+            return False
+        return done.returncode == 0
 
     @staticmethod
     def _node_addr(host: str) -> str:
@@ -202,7 +228,8 @@ class SlurmEngine(AgentEngine):
         return _Step(proc, log_path)
 
     def close(self) -> None:
-        """Give back an allocation nblaunch asked for (the kernel's own is kept)."""
+        """Stop probing; give back an allocation nblaunch asked for (the kernel's own is kept)."""
+        super().close()
         if self._ours and self._job is not None:
             self._ours = False
             try:

@@ -9,7 +9,7 @@ import os
 from ..system.files import write_atomically
 from .spec import current_spec
 
-__all__ = ["NOTICE_FILE", "write_notice", "preempted"]
+__all__ = ["NOTICE_FILE", "write_notice", "preempted", "preempt_reason"]
 
 NOTICE_FILE = "preempted"
 
@@ -51,8 +51,26 @@ def preempted(agree: bool = False) -> bool:
     return _seen
 
 
-def _notice_here() -> bool:
+def preempt_reason() -> str:
+    """In a rank: why ``preempted()`` turned true, "" before (and outside a rank):
+    ``resize: n3 is back`` (nodes came back: the launch calls ``fn`` again on
+    more nodes once the ranks return), ``SIGTERM to the kernel``, ``SIGUSR1 to
+    this node's agent``... Either way: save and return."""
+    path = _notice_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, TypeError):
+        return ""
+
+
+def _notice_path():
     spec = current_spec()
     if spec is None or not spec.stack_file:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE))
+        return None
+    return os.path.join(os.path.dirname(spec.stack_file), NOTICE_FILE)
+
+
+def _notice_here() -> bool:
+    path = _notice_path()
+    return path is not None and os.path.exists(path)

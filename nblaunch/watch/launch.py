@@ -1,17 +1,20 @@
 """A launch's call watch for a long run: the steps its ranks reached (for
-the restart lines, :mod:`nblaunch.watch.restarts`) and preemption
+the restart lines, :mod:`nblaunch.watch.restarts`), preemption
 (:mod:`nblaunch.watch.preempt`): a notice of the job's end is passed to every
 rank once, the ranks have the grace to save and return, and those still in
-the call after it are stopped, the verdict then being ``Preempted``."""
+the call after it are stopped, the verdict then being ``Preempted``; and
+resizes (:mod:`nblaunch.watch.resize`): the same notice when nodes are back,
+the verdict then being ``Resized`` whatever the ranks returned."""
 from __future__ import annotations
 
 import signal
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import WorkerError
 from ..wire.channel import Preempting, Progress
 from .preempt import Catcher, Grace
+from .resize import Resize, Resized
 from .call import CallWatch
 
 __all__ = ["LaunchWatch"]
@@ -20,12 +23,16 @@ __all__ = ["LaunchWatch"]
 class LaunchWatch(CallWatch):
     """:class:`~nblaunch.watch.call.CallWatch` with ``steps`` (global rank -> the
     step its progress bar last showed) and ``preemption`` (a
-    :class:`~nblaunch.watch.preempt.Catcher`, None: nothing is caught)."""
+    :class:`~nblaunch.watch.preempt.Catcher`, None: nothing is caught) and
+    ``nodes_back`` (asked each tick: nodes to grow onto; None: the launch
+    cannot grow)."""
 
-    def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None, **options):
+    def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None,
+                 nodes_back: Optional[Callable[[], list]] = None, **options):
         super().__init__(pool, view, call, **options)
         self._catcher = preemption
         self._grace = Grace(preemption)
+        self._resize = Resize(nodes_back, preemption.grace if preemption is not None else 0.0)
         self.steps: dict[int, int] = {}
 
     def run(self, begin) -> list:
@@ -43,8 +50,11 @@ class LaunchWatch(CallWatch):
 
     def _pass(self) -> None:
         super()._pass()
-        if self._grace.check(time.monotonic(), self._pool, self._view, self._in_call()):
+        now, in_call = time.monotonic(), self._in_call()
+        if self._grace.check(now, self._pool, self._view, in_call):
             self._give_up("was preempted")
+        elif self._resize.check(now, self._pool, self._view, in_call, busy=self._grace.until is not None):
+            self._give_up("was resized")
 
     def _on_event(self, rank: int, event) -> None:
         super()._on_event(rank, event)
@@ -57,6 +67,9 @@ class LaunchWatch(CallWatch):
         returned = [r for r, part in enumerate(self._parts) if part.done and part.failure is None]
         if self._grace.expired:
             raise self._grace.error(self._pool, returned, self.steps)
+        failures = [part.failure for part in self._parts if part.failure is not None]
+        if self._resize.started and self._grace.until is None and all(_stopped(f) for f in failures):
+            raise Resized(self._resize.nodes)  # what the ranks returned is dropped: fn runs again, larger
         try:
             return super()._outcome()
         except WorkerError as exc:
@@ -70,6 +83,12 @@ class LaunchWatch(CallWatch):
 def _ended(failure) -> bool:
     """What the job's end does to a rank that was saving (a crash, even then, is a crash)."""
     return failure.kind in ("node", "stopped", "left") or (
+        failure.kind == "signal" and failure.signal in (signal.SIGKILL, signal.SIGTERM))
+
+
+def _stopped(failure) -> bool:
+    """A rank that did not return within a resize's grace and was stopped (a crash is still a crash)."""
+    return failure.kind in ("stopped", "left") or (
         failure.kind == "signal" and failure.signal in (signal.SIGKILL, signal.SIGTERM))
 
 

@@ -1,9 +1,14 @@
-"""A launch's restarts (``max_restarts``): what ended each generation, said
-in the next one's view ("restart 1 of 2: rank 1 on n2 killed by SIGKILL at
-step 412; 2 nodes, 4 ranks"), in the final summary, and in the last
-attempt's ``WorkerError``, which lists every attempt's cause."""
+"""A launch's restarts (``max_restarts``) and resizes (nodes back, with
+``min_nodes``): what ended each generation, said in the next one's view
+("restart 1 of 2: rank 1 on n2 killed by SIGKILL at step 412; 2 nodes, 4
+ranks", "restart 2 of 3: n3 back; 3 nodes, 6 ranks"), in the final summary,
+and in the last attempt's ``WorkerError``, which lists every attempt's cause.
+
+"restart k of m": k counts every restart so far, m the restarts this launch
+may take by now (``max_restarts``, plus one for each resize: never counted)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from ..errors import WorkerError
@@ -18,14 +23,31 @@ class History:
         self.max_restarts = max_restarts
         self.causes: list[str] = []  # what ended each earlier attempt: "rank 1 killed by SIGKILL at step 412"
         self.lines: list[str] = []  # the view's: "restart 1 of 2: ...; 4 ranks"
+        self.resizes = 0
+        self._t0 = time.monotonic()
+        self.sizes: list[tuple[float, int]] = []  # (seconds since the launch began, its nodes from then on)
+
+    def begin(self, nodes: int) -> None:
+        """The launch begins on ``nodes`` nodes."""
+        self._t0, self.sizes = time.monotonic(), [(0.0, nodes)]
 
     def record(self, exc: WorkerError, steps: dict, nodes: int, world_size: int) -> None:
         """Generation ``len(causes)`` failed with ``exc`` (``steps``: global
         rank -> its bar's last step); the next has ``nodes`` and ``world_size``."""
-        cause = exc.root.brief() + at_step(steps, exc.root.rank)
+        self._add(exc.root.brief() + at_step(steps, exc.root.rank), nodes, world_size)
+
+    def resized(self, back: list, nodes: int, world_size: int, taken: bool = True) -> None:
+        """Generation ``len(causes)`` ended because the nodes ``back`` came back; the next is
+        larger (``taken``), or not, if they were gone again when it was made."""
+        self.resizes += 1
+        self._add(f"{', '.join(back)} back" + ("" if taken else ", gone again before it could be used"), nodes,
+                  world_size)
+
+    def _add(self, cause: str, nodes: int, world_size: int) -> None:
+        self.sizes.append((time.monotonic() - self._t0, nodes))
         self.causes.append(cause)
         size = (f"{nodes} nodes, " if nodes > 1 else "") + f"{world_size} ranks"
-        self.lines.append(f"restart {len(self.causes)} of {self.max_restarts}: {cause}; {size}")
+        self.lines.append(f"restart {len(self.causes)} of {self.max_restarts + self.resizes}: {cause}; {size}")
 
     def final(self, exc: WorkerError) -> WorkerError:
         """The last attempt's error, listing every earlier attempt's cause."""
@@ -37,7 +59,10 @@ class History:
         """The final summary's line (None: no restart)."""
         if not self.lines:
             return None
-        return f"finished after {len(self.lines)} restart(s): " + "; ".join(self.lines)
+        strip = ""
+        if len({n for _, n in self.sizes}) > 1:  # the nodes against time: "3 from 0:00, 2 from 0:12, 3 from 0:41"
+            strip = "; nodes over time: " + ", ".join(f"{n} from {int(t) // 60}:{int(t) % 60:02d}" for t, n in self.sizes)
+        return f"finished after {len(self.lines)} restart(s): " + "; ".join(self.lines) + strip
 
 
 def at_step(steps: dict, rank: int) -> str:

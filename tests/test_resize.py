@@ -1,0 +1,264 @@
+"""Growing back (issue 48), without a process: ``max_nodes`` refused before anything
+starts, with a one-line reason; the rule that takes a node back only once it has
+stayed usable (no flapping); the restart lines; a launch's generation ended by a
+resize (the notice, the grace, the ranks stopped if they ignore it) and the
+session calling ``fn`` again, larger, without counting it against ``max_restarts``."""
+from __future__ import annotations
+
+import io
+import re
+import signal
+import time
+
+import pytest
+
+from nblaunch.config import LaunchConfig, check_max_nodes
+from nblaunch.engines import engine_for
+from nblaunch.engines import slurm as slurm_engine
+from nblaunch.engines.base import Engine
+from nblaunch.engines.pool import Exited
+from nblaunch.engines.regrow import Steady
+from nblaunch.view import TextDisplay
+from nblaunch.watch.launch import LaunchWatch
+from nblaunch.watch.preempt import Catcher
+from nblaunch.watch.resize import Resized
+from nblaunch.watch.restarts import History
+from test_core import FakePool, quiet_view, result, started
+
+SLURM = {"cluster": "slurm", "max_restarts": 1}
+ELASTIC = {"num_nodes": 3, "rdzv_endpoint": "127.0.0.1:29400", "max_restarts": 1}
+
+
+# -- max_nodes: refused before anything starts ------------------------------------------
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (ELASTIC | {"min_nodes": 3, "max_nodes": 2}, "max_nodes=2 is below min_nodes=3"),
+    (ELASTIC | {"min_nodes": 2, "max_nodes": 4}, "max_nodes=4 is more than the c10d rendezvous of num_nodes can hold (3 nodes)"),
+    (SLURM | {"max_nodes": 3}, "max_nodes is the size a run grows back to after it lost nodes: give min_nodes too"),
+    (SLURM | {"min_nodes": 2, "max_nodes": 1}, "max_nodes=1 is below min_nodes=2"),
+    (SLURM | {"min_nodes": 2, "max_nodes": 3, "node_back_after": -1}, "node_back_after must be a number of seconds >= 0"),
+])
+def test_a_bad_max_nodes_is_refused_with_a_one_line_reason(kwargs, reason):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as refused:
+        LaunchConfig(1, **kwargs)
+    assert reason in str(refused.value) and "\n" not in str(refused.value)
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_max_nodes_must_be_an_int():
+    with pytest.raises(TypeError, match="max_nodes must be an int or None, got str"):
+        LaunchConfig(1, **SLURM, min_nodes=2, max_nodes="3")
+
+
+def test_the_rule_on_what_an_allocation_can_hold():
+    check_max_nodes(None, 2, 3, "SLURM job 12")  # default: the nodes the launch starts with
+    check_max_nodes(3, 2, 3, "SLURM job 12")
+    with pytest.raises(ValueError, match=re.escape("max_nodes=4 is more than SLURM job 12 can hold (3 nodes)")):
+        check_max_nodes(4, 2, 3, "SLURM job 12")
+
+
+@pytest.fixture
+def fake_slurm(monkeypatch):
+    """SLURM's commands answering as an allocation of three running nodes would, no process run."""
+    ran = []
+
+    def run(args):
+        ran.append(args)
+        if args[1:3] == ["show", "job"]:
+            return "JobId=12 JobState=RUNNING NodeList=n[1-3] NumCPUs=6 NumNodes=3\n"
+        if args[1:3] == ["show", "hostnames"]:
+            return "n1\nn2\nn3\n"
+        return f"NodeName={args[-1]} NodeAddr=127.0.0.1\n"
+
+    monkeypatch.setattr(slurm_engine, "_slurm_command", lambda name: name)
+    monkeypatch.setattr(slurm_engine, "_run", run)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    return ran
+
+
+def test_inside_an_allocation_max_nodes_above_its_nodes_is_refused_before_any_agent(fake_slurm):
+    config = LaunchConfig(1, cluster=slurm_engine.Slurm(job="12"), max_restarts=1, min_nodes=2, max_nodes=4)
+    with pytest.raises(ValueError) as refused:
+        engine_for(config)
+    assert str(refused.value) == "max_nodes=4 is more than SLURM job 12 can hold (3 nodes)"
+    assert not [a for a in fake_slurm if a[0] in ("srun", "salloc")]
+
+
+def test_inside_an_allocation_max_nodes_may_reach_nodes_the_launch_does_not_start_on(fake_slurm):
+    config = LaunchConfig(1, cluster=slurm_engine.Slurm(job="12", nodes=2), max_restarts=1, min_nodes=2, max_nodes=3)
+    engine = engine_for(config)
+    assert (engine.hosts, engine.max_nodes, engine.spare()) == (["n1", "n2"], 3, ["n3"])
+
+
+def test_an_allocation_asked_for_holds_the_nodes_asked_for(fake_slurm):
+    config = LaunchConfig(1, cluster=slurm_engine.Slurm(nodes=2), max_restarts=1, min_nodes=1, max_nodes=3)
+    with pytest.raises(ValueError) as refused:
+        engine_for(config)
+    assert str(refused.value) == "max_nodes=3 is more than Slurm(nodes=2) can hold (2 nodes)"
+    assert fake_slurm == []  # refused before SLURM was asked anything
+
+
+# -- a node is back once it stayed usable -----------------------------------------------
+
+def test_a_node_is_back_only_after_it_answered_every_probe_for_node_back_after():
+    steady = Steady(10.0)
+    for t in (0, 2, 4, 6, 8):
+        steady.seen("n3", True, t)
+    assert steady.back(9.9) == []
+    assert steady.back(10.0) == ["n3"]
+
+
+def test_a_node_that_flaps_is_never_taken_back():
+    steady = Steady(10.0)
+    for t in range(0, 60, 2):
+        steady.seen("n3", t % 8 != 6, t)  # a bad probe every 8 s
+        assert steady.back(t) == []
+    steady.forget(["n3"])
+    assert steady.back(100) == []
+
+
+def test_a_node_taken_back_and_lost_again_starts_over():
+    """A probe that answered as the node was taken back left a good run that, once the node
+    was lost again, took it at once (the soak's launch ended on it)."""
+    steady = Steady(10.0)
+    for t in (0, 2, 4, 6, 8, 10):
+        steady.seen("n3", True, t)
+    steady.keep([])  # taken back: not a candidate while the run uses it
+    steady.seen("n2", True, 11)
+    assert steady.back(200) == ["n2"]  # n3, lost again at 200, is not back at once
+
+
+def test_a_node_down_for_long_is_probed_less_often():
+    steady = Steady(10.0)
+    assert steady.due("n3", None, 0)
+    steady.seen("n3", False, 0)
+    assert not steady.due("n3", 0, 3) and steady.due("n3", 0, 5)
+    steady.seen("n3", True, 5)
+    assert steady.due("n3", 5, 7.5)
+
+
+# -- the restart lines ------------------------------------------------------------------
+
+def test_a_resize_is_a_restart_line_that_never_counts_against_max_restarts():
+    from nblaunch.errors import RankFailure, WorkerError
+
+    history = History(max_restarts=2)
+    history.begin(3)
+    lost = RankFailure(2, "node", time.time(), message="was lost: its agent connection closed", node=2, host="n3")
+    history.record(WorkerError([lost]), {0: 40, 1: 40}, 2, 4)
+    history.resized(["n3"], 3, 6)
+    assert history.lines[1] == "restart 2 of 3: n3 back; 3 nodes, 6 ranks"
+    assert re.fullmatch(r"restart 1 of 2: .*n3.* at step 40; 2 nodes, 4 ranks", history.lines[0]), history.lines[0]
+    assert history.summary().startswith("finished after 2 restart(s): ")
+    assert history.summary().endswith("; nodes over time: 3 from 0:00, 2 from 0:00, 3 from 0:00")
+
+
+# -- a generation ended by a resize ------------------------------------------------------
+
+class ResizedPool(FakePool):
+    """Ranks in their call until told; ``obey``: they then return (else they run on)."""
+
+    def __init__(self, size, obey=True, answer="saved"):
+        super().__init__(size, script=[[started(r) for r in range(size)]])
+        self.obey, self.answer, self.why, self.notice = obey, answer, None, None
+
+    @property
+    def log_files(self) -> list:
+        return []
+
+    def preempt(self, why: str) -> None:
+        self.why = why
+        if self.obey:
+            self._queued += [result(r, self.answer) for r in range(self.size)]
+            self._queued += [Exited(r, 0) for r in range(self.size)]
+
+
+def _back_after(polls: int, nodes=("n3",)):
+    asked = []
+
+    def back():
+        asked.append(time.monotonic())
+        return list(nodes) if len(asked) > polls else []
+    return back
+
+
+def test_the_ranks_get_the_notice_say_resize_and_their_results_are_dropped():
+    pool = ResizedPool(2)
+    view = quiet_view(2)
+    watch = LaunchWatch(pool, view, 0, preemption=Catcher(5.0), nodes_back=_back_after(3))
+    with pytest.raises(Resized) as resized:
+        watch.run(pool.start)
+    assert resized.value.nodes == ["n3"]
+    assert pool.why == "resize: n3 is back"
+    assert not pool.signals  # they returned within the grace: nothing stopped
+
+
+def test_a_resize_the_ranks_ignore_stops_them_after_the_grace_and_the_run_goes_on():
+    pool = ResizedPool(2, obey=False)
+    shown = io.StringIO()
+    view = TextDisplay(stream=shown)
+    view.begin(2, "fork", "gloo", "/tmp/nblaunch-fake")
+    t0 = time.monotonic()
+    watch = LaunchWatch(pool, view, 0, preemption=Catcher(0.3), nodes_back=_back_after(0))
+    with pytest.raises(Resized):
+        watch.run(pool.start)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert {sig for _, sig in pool.signals} >= {signal.SIGTERM}
+    view.close("resized")
+    assert "n3 is back: resizing; the ranks have 0.3 s to save and return" in shown.getvalue()
+    assert "grace of the resize is over; stopping the ranks (the run goes on)" in shown.getvalue()
+
+
+class FakeEngine(Engine):
+    """Generation 0 on two nodes, n3 back during it; the next on three."""
+
+    method, backend, pg_timeout = "fake", "gloo", 60.0
+
+    def __init__(self):
+        self.nodes, self.pools = 2, []
+
+    @property
+    def world_size(self):
+        return self.nodes
+
+    @property
+    def job_nodes(self):
+        return self.nodes
+
+    def new_pool(self, job, attempt):
+        pool = ResizedPool(self.nodes, answer=f"generation {attempt}")
+        if attempt > 0:  # the larger generation returns on its own
+            pool._script.append([result(r, "done") for r in range(self.nodes)] + [Exited(r, 0) for r in range(self.nodes)])
+        self.pools.append(pool)
+        return pool
+
+    def nodes_back(self):
+        return ["n3"] if self.nodes < 3 and self.pools and self.pools[-1].polls > 3 else []
+
+    def grow(self, names):
+        self.nodes += len(names)
+        return names
+
+
+def test_the_session_calls_fn_again_on_more_nodes_and_lists_the_resize(monkeypatch):
+    from nblaunch import session as session_module
+
+    engine = FakeEngine()
+    monkeypatch.setattr(session_module, "engine_for", lambda config, live, owner: engine)
+    config = LaunchConfig(1, cluster="slurm", min_nodes=2, max_restarts=0, display="none", preempt_grace=5)
+    results = session_module.Session(config, live=False).launch(lambda: None, [], {})
+    assert list(results) == ["done"] * 3  # the resized generation's "generation 0" dropped
+    assert results.restarts == ["restart 1 of 1: n3 back; 3 nodes, 3 ranks"]
+    assert engine.pools[0].why == "resize: n3 is back"
+
+
+def test_at_max_nodes_the_allocations_other_nodes_are_not_probed(fake_slurm):
+    import threading
+
+    config = LaunchConfig(1, cluster=slurm_engine.Slurm(job="12", nodes=2), max_restarts=1, min_nodes=1)
+    engine = engine_for(config)
+    engine.new_pool(None, 0).close()  # the first generation (never started): max_nodes is its nodes
+    assert (engine.spare(), engine.max_nodes, engine.nodes_back()) == (["n3"], 2, [])
+    assert "nblaunch-comebacks" not in [t.name for t in threading.enumerate()]
+    engine.close()
