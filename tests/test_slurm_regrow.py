@@ -19,7 +19,7 @@ import slurm_cluster
 from test_slurm import _ok
 from test_slurm_resilience import _agent_on, _restart_slurmd, _slurmd_pid, _wait_files, three_nodes  # noqa: F401
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]  # a node killed and brought back: pytest -m long
 
 _WHY_NOT = slurm_cluster.why_not(nodes=3)
 needs_three = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
