@@ -15,7 +15,6 @@ after it, thawed.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 import psutil
 
 import ray_cluster  # tests/: the cluster the Ray tests use
+from recovery import _wait  # the step files, read as the SLURM half reads them
 
 STEPS = r'''
 import json, os, time
@@ -44,17 +44,6 @@ def train_loop(config):
     steps(config["dir"])
 '''
 GIVE_UP_S = 300.0  # the first generation at step 10 by then, or the run is not measured
-
-
-def _wait(folder: Path, prefix: str, n: int, timeout: float) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sorted(folder.glob(prefix + "*"))
-        if len(found) >= n:
-            time.sleep(0.05)  # written whole
-            return [json.loads(p.read_text()) for p in found]
-        time.sleep(0.02)
-    return []
 
 
 class _Freeze:
