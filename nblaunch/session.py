@@ -134,15 +134,17 @@ class Session:
         job = engine.job(fn, tuple(args), kwargs)
         catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
         history.begin(engine.job_nodes)
-        failed = 0
+        failed, said = 0, []
         for attempt in itertools.count():
+            said += engine.said()  # a replacement node asked for, granted, given back
             try:
-                results = self._attempt(job, attempt, notices + history.lines, catcher)
+                results = self._attempt(job, attempt, notices + history.lines + said, catcher)
                 results.restarts = list(history.lines)
                 return results
             except Resized as resized:
                 taken = engine.grow(resized.nodes)
-                history.resized(taken or resized.nodes, engine.job_nodes, engine.job_world_size, taken=bool(taken))
+                history.resized([engine.node_label(n) for n in taken or resized.nodes], engine.job_nodes,
+                                engine.job_world_size, taken=bool(taken))
             except WorkerError as exc:
                 if failed == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                     raise history.final(exc) from exc.__cause__
@@ -166,6 +168,7 @@ class Session:
             watch = LaunchWatch(pool, view, 0, timeout=c.timeout, stall_warning=c.stall_warning,
                                 job_size=getattr(job, "size", 0), preemption=catcher,
                                 nodes_back=engine.nodes_back if c.min_nodes is not None else None,
+                                node_label=engine.node_label,
                                 stop_requested=self.stop_requested)
             results = watch.run(lambda: engine.place(pool, view))
             status = "finished"
@@ -224,8 +227,11 @@ class Session:
         if self.shrunk and counted:  # the first run after a lost node says so
             view.notice(self.shrunk)
             self.shrunk = ""
+        for line in self.engine.said() if counted else []:
+            view.notice(line)
         back = self.engine.nodes_back() if counted and self.config.min_nodes is not None else []
         if back:  # live ranks never grow unasked: their state would be lost
+            back = [self.engine.node_label(n) for n in back]
             view.notice(f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: ranks.grow() takes "
                         f"{'it' if len(back) == 1 else 'them'} in (the ranks restart on more nodes; what they hold is lost)")
         watch = LiveCallWatch(pool, view, number, timeout=timeout,

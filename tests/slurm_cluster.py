@@ -14,27 +14,30 @@ import tempfile
 import pytest
 
 
-def why_not(nodes: int = 2) -> str:
+def why_not(nodes: int = 2, partition: str = "") -> str:
     """Why SLURM cannot be used here ('' when it can): it needs ``nodes``
-    nodes up. With ``NBLAUNCH_REQUIRE_SLURM`` set (CI), a missing cluster is
+    nodes up (in ``partition``, "grow" being the one with the spare fourth
+    node). With ``NBLAUNCH_REQUIRE_SLURM`` set (CI), a missing cluster is
     an error instead."""
-    why = _why_not(nodes)
+    why = _why_not(nodes, partition)
     if why and os.environ.get("NBLAUNCH_REQUIRE_SLURM"):
         raise RuntimeError(f"NBLAUNCH_REQUIRE_SLURM is set, but {why}")
     return why
 
 
-def _why_not(nodes: int) -> str:
+def _why_not(nodes: int, partition: str) -> str:
     if shutil.which("sinfo") is None or shutil.which("srun") is None:
         return "SLURM's commands are not installed (run .ci/slurm as root)"
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T", *(["-p", partition] if partition else [])],
+                             capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:
         return "sinfo did not answer"
-    usable = [line for line in out.stdout.splitlines()
-              if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")]
+    usable = {line.split()[0] for line in out.stdout.splitlines()  # a node in two partitions: listed twice
+              if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")}
     if out.returncode != 0 or len(usable) < nodes:
-        return f"no {nodes}-node SLURM cluster is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
+        where = f" in partition {partition}" if partition else ""
+        return f"no {nodes}-node SLURM cluster{where} is up (sinfo: {out.stdout.strip() or out.stderr.strip()})"
     return ""
 
 

@@ -18,6 +18,7 @@ from nblaunch.engines import slurm as slurm_engine
 from nblaunch.engines.base import Engine
 from nblaunch.engines.pool import Exited
 from nblaunch.engines.regrow import Steady
+from nblaunch.engines.slurm_spares import Spares, minutes_left
 from nblaunch.view import TextDisplay
 from nblaunch.watch.launch import LaunchWatch
 from nblaunch.watch.preempt import Catcher
@@ -262,3 +263,90 @@ def test_at_max_nodes_the_allocations_other_nodes_are_not_probed(fake_slurm):
     assert (engine.spare(), engine.max_nodes, engine.nodes_back()) == (["n3"], 2, [])
     assert "nblaunch-comebacks" not in [t.name for t in threading.enumerate()]
     engine.close()
+
+
+# -- replacements for an allocation nblaunch asked for (engines/slurm_spares.py) ----------------
+
+class _Request:
+    """A replacement as :class:`Spares` sees one, without salloc: granted by the test."""
+
+    def __init__(self, instead_of, exclude, job):
+        self.instead_of, self.exclude, self.job = instead_of, exclude, job
+        self.host, self.failed, self.cancelled = None, "", False
+
+    @property
+    def pending(self):
+        return self.host is None and not self.failed
+
+    def poll(self):
+        pass
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _spares():
+    made = []
+
+    def make(instead_of, exclude):
+        made.append(_Request(instead_of, exclude, str(100 + len(made))))
+        return made[-1]
+    return Spares(make), made
+
+
+def test_one_request_per_lost_node_within_the_room_max_nodes_leaves():
+    spares, made = _spares()
+    spares.ask(["n3"], room=1, exclude=["n1", "n2", "n3"])
+    spares.ask(["n2"], room=2, exclude=["n1", "n2", "n3"])  # a second loss: one more, the first still pending
+    spares.ask(["n1"], room=2, exclude=["n1", "n2", "n3"])  # no room for a third request
+    assert [(r.instead_of, r.exclude) for r in made] == [("n3", ["n1", "n2", "n3"]), ("n2", ["n1", "n2", "n3"])]
+    assert spares.said() == ["asked SLURM for a node in place of n3 (job 100): the run grows into it once granted",
+                             "asked SLURM for a node in place of n2 (job 101): the run grows into it once granted"]
+
+
+def test_a_granted_replacement_is_said_once_named_for_the_node_it_replaces_and_excluded_next_time():
+    spares, made = _spares()
+    spares.ask(["n3"], room=1, exclude=["n1", "n2", "n3"])
+    spares.said()
+    made[0].host = "n4"
+    assert [r.host for r in spares.granted()] == ["n4"] and spares.job_of("n4") == "100"
+    assert spares.said() == ["SLURM granted n4 (job 100) in place of n3"] and spares.said() == []
+    assert spares.label("n4") == "n4 (in place of n3)" and spares.label("n1") == "n1"
+    spares.lost(["n4"])  # the replacement lost in its turn: given back, and another asked for in its place
+    assert made[0].cancelled and spares.granted() == []
+    spares.ask(["n4"], room=1, exclude=["n1", "n2", "n3"])
+    assert made[1].instead_of == "n4"
+
+
+def test_at_max_nodes_the_unused_requests_and_replacements_are_given_back_and_said():
+    spares, made = _spares()
+    spares.ask(["n3", "n2"], room=2, exclude=["n1", "n2", "n3"])
+    made[0].host = "n4"
+    spares.said()
+    given = spares.give_back(keep=["n1", "n3", "n4"], why="the run is on its 3 nodes again")
+    assert given == [made[1]] and made[1].cancelled and not made[0].cancelled
+    assert spares.said() == ["gave back the request (job 101), asked for in place of n2: the run is on its 3 nodes again"]
+    spares.close()
+    assert made[0].cancelled and spares.said() == []  # the end of the run gives everything back, silently
+
+
+def test_a_refused_request_is_said_with_slurms_reason_then_forgotten():
+    spares, made = _spares()
+    spares.ask(["n3"], room=1, exclude=["n1"])
+    spares.said()
+    made[0].failed = "salloc: error: Job submit/allocate failed: Requested node configuration is not available"
+    assert spares.said() == ["SLURM refused a node in place of n3: salloc: error: Job submit/allocate failed: "
+                             "Requested node configuration is not available"]
+    assert spares.said() == [] and spares.granted() == []
+
+
+@pytest.mark.parametrize("fields, left", [
+    ({"TimeLimit": "UNLIMITED", "EndTime": "Unknown"}, None),
+    ({"TimeLimit": "01:00:00", "EndTime": "2026-12-07T18:30:00"}, 90),
+    ({"TimeLimit": "01:00:00", "EndTime": "2026-12-07T16:59:50"}, 1),  # never below a minute
+    ({"TimeLimit": "01:00:00"}, None),
+])
+def test_a_replacement_asks_for_the_time_the_allocation_has_left(fields, left):
+    import datetime
+
+    assert minutes_left(fields, now=datetime.datetime(2026, 12, 7, 17, 0, 0)) == left

@@ -3,19 +3,22 @@ slurmd SIGKILLed about 10 s into a launch with ``min_nodes=2``, its slurmd start
 about 25 s. The run goes on on n1 and n2, then, once n3 has been usable for
 ``node_back_after`` (10 s), every rank gets the notice (``resize: n3 is back``), saves and
 returns, and ``fn`` is called again on the three nodes, from the checkpoint; the resize is
-not counted against ``max_restarts``. Needs the cluster (skips without it, fails with
-``NBLAUNCH_REQUIRE_SLURM``)."""
+not counted against ``max_restarts``. An allocation nblaunch asked for (``Slurm(nodes=3)``)
+gets a node in a lost one's place (partition "grow", where n4 waits idle). Needs the cluster
+(skips without it, fails with ``NBLAUNCH_REQUIRE_SLURM``)."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
 
 import slurm_cluster
+from conftest import Kernel
 from test_slurm import _ok
 from test_slurm_resilience import _agent_on, _restart_slurmd, _slurmd_pid, _wait_files, three_nodes  # noqa: F401
 
@@ -134,3 +137,64 @@ def test_live_ranks_never_grow_unasked_and_grow_takes_the_node_back(three_nodes)
     text = _ok(k.execute("print(ranks.grow()); print(ranks.run(where, display='none')); ranks.close()", timeout=180))
     assert "['n3']" in text and "[(0, 3, 'n1'), (1, 3, 'n2'), (2, 3, 'n3')]" in text, text
     print(f"n3 said back {time.monotonic() - t_back:.1f} s after its slurmd (node_back_after=3)")
+
+
+_WHY_NOT_FOUR = slurm_cluster.why_not(nodes=4, partition="grow")
+
+
+def _jobs(name: str) -> list[str]:
+    """Jobs of partition "grow" (the replacement test's alone) named ``name``, pending or running."""
+    out = subprocess.run(["squeue", "-h", "-p", "grow", "-n", name, "-t", "PENDING,RUNNING", "-o", "%i"],
+                         capture_output=True, text=True, timeout=20)
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(bool(_WHY_NOT_FOUR), reason=_WHY_NOT_FOUR)
+def test_an_allocation_nblaunch_asked_for_gets_a_replacement_for_a_lost_node(tmp_path):
+    """``Slurm(nodes=3)`` in partition "grow" (n1-n4; n4 idle): a node's agent and slurmd
+    SIGKILLed and never back. SLURM is asked for one node in its place (the same partition,
+    none of the allocation's), the run goes on on two, grows onto the new node once it has
+    answered for ``node_back_after``, and every job it asked for is given back at the end."""
+    with slurm_cluster.losing_a_node():
+        k = Kernel()  # outside any allocation: nblaunch asks for one
+        victim = None
+        try:
+            _ok(k.execute(GROWER))
+            msg = k.execute_async(
+                f"res = nblaunch.notebook_launcher(grower, ({str(tmp_path)!r}, 700), num_processes=1, "
+                "cluster=nblaunch.Slurm(nodes=3, partition='grow'), max_restarts=2, min_nodes=2, preempt_grace=20, "
+                "display='text')\nprint(list(res)); print(res.restarts)")
+            _wait_files(tmp_path, "gen-0-", 3)
+            _wait_files(tmp_path, "ckpt", 1)
+            (job,) = _jobs("nblaunch")
+            hosts = sorted(_gen(tmp_path, 0, r)["host"] for r in range(3))
+            victim, (fourth,) = hosts[-1], sorted({"n1", "n2", "n3", "n4"} - set(hosts))
+            agent, slurmd = _agent_on(job, victim), _slurmd_pid(victim)
+            assert slurmd is not None
+            t_lost = time.time()
+            agent.send_signal(signal.SIGKILL)
+            os.kill(slurmd, signal.SIGKILL)
+            _wait_files(tmp_path, "gen-1-", 2)
+            spare = _jobs("nblaunch-spare")
+            assert len(spare) == 1, spare  # one request, in place of the one node lost
+            _wait_files(tmp_path, "gen-2-", 3, timeout=120)
+            grown = max(_gen(tmp_path, 2, r)["time"] for r in range(3)) - t_lost
+            text = _ok(k.wait_for_reply(msg, timeout=240))
+        finally:
+            k.shutdown()
+            if victim is not None:
+                _restart_slurmd(victim)
+
+    assert sorted(_gen(tmp_path, 2, r)["host"] for r in range(3)) == sorted(hosts[:2] + [fourth])
+    label = f"{fourth} (in place of {victim})"
+    assert [open(tmp_path / f"notice-1-{r}").read() for r in range(2)] == [f"resize: {label} is back"] * 2
+    assert _gen(tmp_path, 2, 0)["start"] > _gen(tmp_path, 1, 0)["start"] > 0  # from the checkpoints
+    assert f"SLURM granted {fourth} (job {spare[0]}) in place of {victim}" in text, text
+    assert f"'restart 2 of 3: {label} back; 3 nodes, 3 ranks'" in text, text
+    assert ", 700)]" in text and text.count(", 3, 'n") == 3, text  # fn's results on the three nodes
+    deadline = time.monotonic() + 30
+    while (_jobs("nblaunch") or _jobs("nblaunch-spare")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _jobs("nblaunch") and not _jobs("nblaunch-spare"), "an allocation it asked for was not given back"
+    print(f"on three nodes again, {fourth} in place of {victim}, {grown:.1f} s after the loss")
+    print(text)

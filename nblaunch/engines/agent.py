@@ -293,6 +293,7 @@ class _Agent:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nblaunch.engines.agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--node-var", default="", help="the variable holding this node's index")
+    parser.add_argument("--node-base", type=int, default=0, help="added to it: the nodes of the steps before")
     parser.add_argument("--name-var", default="", help="the variable holding this node's name")
     opts = parser.parse_args(argv)
     parent = os.getppid()  # before the imports below: it may die meanwhile
@@ -346,7 +347,7 @@ def main(argv: Optional[list] = None) -> int:
     gc.enable()
     conn = link.connect((host.strip("[]"), int(port)), secret)
     agent = _Agent(conn, parent)
-    node = int(os.environ.get(opts.node_var, "0") or 0)
+    node = opts.node_base + int(os.environ.get(opts.node_var, "0") or 0)
     conn.send(msg.Hello(node=node, name=os.environ.get(opts.name_var) or socket.gethostname(),
                         addr=route_address(host.strip("[]"), int(port)), pid=os.getpid(),
                         gpus=torch.cuda.device_count(), nccl=torch.distributed.is_nccl_available()))

@@ -90,6 +90,16 @@ class Engine(abc.ABC):
         returns those taken (a node may have gone again since)."""
         return []
 
+    def node_label(self, name: str) -> str:
+        """Node ``name`` as notices name it (a replacement says whose place it takes)."""
+        return name
+
+    def said(self) -> list:
+        """What the engine did on its own since last asked, a line each, for
+        the next generation's notices (SLURM: a replacement node asked for,
+        granted or refused). Nothing here."""
+        return []
+
     def close(self) -> None:
         """Give back what the engine holds (a store, a rendezvous, an
         allocation it asked for). Safe twice."""

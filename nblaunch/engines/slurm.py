@@ -7,20 +7,22 @@ channel (:mod:`nblaunch.wire.link`). The kernel may run inside the allocation (a
 Jupyter server started by ``sbatch``/``salloc``, Open OnDemand, batchspawner):
 its nodes are used. Outside one, :class:`Slurm` with ``nodes`` asks SLURM for
 an allocation (``salloc --no-shell``), shows its state while it is pending,
-and gives it back (``scancel``) when the launch or the live ranks end.
+and gives it back (``scancel``) when the launch or the live ranks end; with
+``min_nodes``, a lost node's place is asked for too (:mod:`.slurm_spares`).
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from typing import Callable, Optional
 
-from .agent_engine import AgentEngine, AgentStep
+from .agent_engine import AgentEngine
+from .slurm_spares import Replacement, Spares, minutes_left
+from .slurm_steps import Steps
 from ..clusters import Slurm
 from ..config import check_max_nodes
 from ..errors import LaunchError
@@ -74,6 +76,7 @@ class SlurmEngine(AgentEngine):
         self.addrs: list[str] = []
         self._allocated: list[str] = []  # every node of the allocation, in its order
         self._cpus = 1
+        self._spares: Optional[Spares] = None  # replacements for lost nodes, in an allocation of ours
         if self._job is None and self._want is None:
             raise LaunchError(
                 "cluster='slurm' runs ranks on the nodes of a SLURM allocation, and this kernel is not in "
@@ -99,14 +102,7 @@ class SlurmEngine(AgentEngine):
         and saying so, while SLURM keeps it pending)."""
         if self._job is not None:
             return
-        args = [_slurm_command("salloc"), "--no-shell", f"--nodes={self._want}", "--job-name=nblaunch"]
-        if self.spec.partition:
-            args.append(f"--partition={self.spec.partition}")
-        if self.spec.time:
-            args.append(f"--time={self.spec.time}")
-        if self.config.min_nodes is not None:
-            args.append("--no-kill")  # a lost node must not end the allocation the others go on in
-        args += list(self.spec.extra_args)
+        args = self._salloc_args(self._want, "nblaunch", self.spec.time)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=without_slurm_vars(os.environ), start_new_session=True)
         said, last_poll, output = "", 0.0, bytearray()
@@ -145,6 +141,18 @@ class SlurmEngine(AgentEngine):
             raise LaunchError(f"SLURM did not grant an allocation of {self._want} nodes: {text.strip()}")
         self._read_allocation()
 
+    def _salloc_args(self, nodes: int, name: str, time_limit: Optional[str], exclude: tuple = ()) -> list[str]:
+        args = [_slurm_command("salloc"), "--no-shell", f"--nodes={nodes}", f"--job-name={name}"]
+        if self.spec.partition:
+            args.append(f"--partition={self.spec.partition}")
+        if time_limit:
+            args.append(f"--time={time_limit}")
+        if exclude:
+            args.append(f"--exclude={','.join(exclude)}")
+        if self.config.min_nodes is not None:
+            args.append("--no-kill")  # a lost node must not end the allocation the others go on in
+        return args + list(self.spec.extra_args)
+
     def _pending_state(self) -> str:
         try:
             fields = _job_fields(self._job)
@@ -170,22 +178,63 @@ class SlurmEngine(AgentEngine):
         self._cpus = max(1, cpus // max(1, nodes))
 
     def without(self, names: list[str]) -> None:
+        """The next generations without ``names``; in an allocation nblaunch
+        asked for, SLURM is asked for a node in the place of each (a lost
+        replacement is given back: its one-node job went with it)."""
         kept = [i for i, h in enumerate(self.hosts) if h not in names]
         self.hosts, self.addrs = [self.hosts[i] for i in kept], [self.addrs[i] for i in kept]
+        if not self._ours or self.config.min_nodes is None:
+            return  # inside the user's allocation only its nodes are used
+        if self._spares is None:
+            self._spares = Spares(self._ask_one)
+        self._spares.lost(names)
+        self._spares.ask(names, self.max_nodes - len(self.hosts), exclude=list(self._allocated))
+
+    def _ask_one(self, instead_of: str, exclude: list[str]) -> Replacement:
+        """``salloc`` for one node in the background: the time the allocation has left, none of ``exclude``."""
+        left = minutes_left(_job_fields(self._job))
+        args = self._salloc_args(1, "nblaunch-spare", str(left) if left else self.spec.time, tuple(exclude))
+        r = Replacement(args, without_slurm_vars(os.environ), instead_of, self._granted_node)
+        deadline = time.monotonic() + 5.0  # its job id, said at once by salloc, is known before anything else
+        while r.pending and r.job is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            r.poll()
+        return r
+
+    def _granted_node(self, job: str) -> tuple:
+        fields = _job_fields(job)
+        host = _run([_slurm_command("scontrol"), "show", "hostnames", fields["NodeList"]]).split()[0]
+        return host, max(1, int(fields.get("NumCPUs", "1")))
+
+    def _replacement_hosts(self) -> list[str]:
+        return [r.host for r in self._spares.granted()] if self._spares is not None else []
 
     def spare(self) -> list[str]:
-        return [h for h in self._allocated if h not in self.hosts]
+        """Nodes of the allocation not in use, and replacements granted and not in use yet."""
+        return [h for h in self._allocated + self._replacement_hosts() if h not in self.hosts]
 
     def with_nodes(self, names: list[str]) -> None:
-        hosts = [h for h in self._allocated if h in self.hosts or h in names]
+        """The next generations on ``names`` too: the allocation's nodes in its order,
+        then replacements in the order granted; at ``max_nodes``, the requests and
+        replacements left unused are given back."""
+        hosts = [h for h in self._allocated + self._replacement_hosts() if h in self.hosts or h in names]
         self.hosts, self.addrs = hosts, [self._node_addr(h) for h in hosts]
+        if self._spares is not None and len(self.hosts) >= self.max_nodes:
+            self._spares.give_back(keep=self.hosts, why=f"the run is on its {self.max_nodes} nodes again")
+
+    def node_label(self, name: str) -> str:
+        return self._spares.label(name) if self._spares is not None else name
+
+    def said(self) -> list:
+        return self._spares.said() if self._spares is not None else []
 
     def usable(self, name: str) -> bool:
         """A step of ``true`` on the node, in the allocation: its slurmd is back and
         SLURM still counts it in the job (a node it found down is taken out of a
         ``--no-kill`` job, and then never comes back into it)."""
+        job = (self._spares.job_of(name) if self._spares is not None else None) or self._job
         try:
-            done = subprocess.run([_slurm_command("srun"), f"--jobid={self._job}", "--overlap", "--nodes=1",
+            done = subprocess.run([_slurm_command("srun"), f"--jobid={job}", "--overlap", "--nodes=1",
                                    "--ntasks=1", f"--nodelist={name}", "--job-name=nblaunch-probe", "true"],
                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_TIMEOUT_S,
                                   env=without_slurm_vars(os.environ))
@@ -202,34 +251,51 @@ class SlurmEngine(AgentEngine):
 
     # -- the agents --------------------------------------------------------------
 
-    def agent_command(self) -> list[str]:
-        """One task per node, each an agent given the node's CPUs (``--overlap``:
-        the kernel's own step, when it runs in one, keeps its share)."""
-        return [_slurm_command("srun"), f"--jobid={self._job}", "--overlap", f"--nodes={self.num_nodes}",
-                f"--ntasks={self.num_nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self._cpus}",
-                f"--nodelist={','.join(self.hosts)}", "--kill-on-bad-exit=0", "--job-name=nblaunch-agents",
-                *self.spec.srun_args,
-                sys.executable, "-m", "nblaunch.engines.agent", "--node-var", "SLURM_PROCID", "--name-var", "SLURMD_NODENAME"]
+    def agent_commands(self) -> list[list[str]]:
+        """One ``srun`` step per job: the allocation's nodes, then each
+        replacement's (a job of its own); one task per node, each an agent
+        given the node's CPUs (``--overlap``: the kernel's own step, when it
+        runs in one, keeps its share), numbered on from the step before."""
+        mine = [h for h in self.hosts if h in self._allocated]
+        steps = [(self._job, mine, self._cpus)] if mine else []
+        steps += [(r.job, [r.host], r.cpus) for r in (self._spares.granted() if self._spares else [])
+                  if r.host in self.hosts]
+        commands, base = [], 0
+        for job, hosts, cpus in steps:
+            commands.append([
+                _slurm_command("srun"), f"--jobid={job}", "--overlap", f"--nodes={len(hosts)}",
+                f"--ntasks={len(hosts)}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+                f"--nodelist={','.join(hosts)}", "--kill-on-bad-exit=0", "--job-name=nblaunch-agents",
+                *self.spec.srun_args, sys.executable, "-m", "nblaunch.engines.agent",
+                "--node-var", "SLURM_PROCID", "--node-base", str(base), "--name-var", "SLURMD_NODENAME"])
+            base += len(hosts)
+        return commands
 
     @property
     def reach(self) -> str:
         """An address of the nodes' network: the kernel listens on its route to it."""
         return self.addrs[0]
 
-    def start_agents(self, env: dict, log_path: str) -> "_Step":
+    def start_agents(self, env: dict, log_path: str) -> Steps:
         """The ``srun`` step, its output to ``log_path``. The agents get the
         kernel's environment (srun's default ``--export=ALL``) without the
         kernel's own SLURM task variables, which would set srun's defaults
         (``SLURM_NTASKS=1`` from the kernel's step refuses two nodes)."""
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(self.agent_command(), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env={**without_slurm_vars(os.environ), **env},
-                                    start_new_session=True)
-        return _Step(proc, log_path)
+        procs = []
+        with open(log_path, "ab") as log:  # every step's output in the one log, as written
+            for command in self.agent_commands():
+                procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, env={**without_slurm_vars(os.environ), **env},
+                                              start_new_session=True))
+        return Steps(procs, log_path)
 
     def close(self) -> None:
-        """Stop probing; give back an allocation nblaunch asked for (the kernel's own is kept)."""
+        """Stop probing; give back the allocation nblaunch asked for (the kernel's own is
+        kept) and every replacement, a request still pending withdrawn."""
         super().close()
+        if self._spares is not None:
+            self._spares.close()
+            self._spares = None
         if self._ours and self._job is not None:
             self._ours = False
             try:
@@ -237,57 +303,6 @@ class SlurmEngine(AgentEngine):
                                timeout=SCONTROL_TIMEOUT_S)
             except (subprocess.TimeoutExpired, LaunchError):
                 pass
-
-
-class _Step(AgentStep):
-    """The agents' ``srun`` step, as the rank pool sees it."""
-
-    what = "srun step"
-
-    def __init__(self, proc: subprocess.Popen, log_path: str):
-        self._proc, self._log = proc, log_path
-
-    def poll(self) -> Optional[int]:
-        return self._proc.poll()
-
-    def output(self) -> str:
-        try:
-            with open(self._log, errors="replace") as f:
-                return f.read()[-20000:]
-        except OSError:
-            return ""
-
-    def news(self) -> str:
-        """Why an agent vanished without a word: a cancelled step's agents
-        get SIGKILL, and srun then says so."""
-        try:
-            self._proc.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        said = [line.strip() for line in self.output().splitlines()
-                if "CANCELLED" in line or "error:" in line or "DUE TO" in line]
-        return f"was ended by SLURM ({said[0]})" if said else ""
-
-    def end(self, timeout: float) -> None:
-        """The step ends when its agents do; one that does not is cancelled
-        as srun is told to (SIGINT twice within a second: srun's own rule)."""
-        proc = self._proc
-        try:
-            proc.wait(timeout)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                break
-            try:
-                proc.wait(0.5)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        proc.wait()
 
 
 def _read_ready(fd: int) -> bytes:

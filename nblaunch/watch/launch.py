@@ -25,14 +25,15 @@ class LaunchWatch(CallWatch):
     step its progress bar last showed) and ``preemption`` (a
     :class:`~nblaunch.watch.preempt.Catcher`, None: nothing is caught) and
     ``nodes_back`` (asked each tick: nodes to grow onto; None: the launch
-    cannot grow)."""
+    cannot grow), each named in notices by ``node_label``."""
 
     def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None,
-                 nodes_back: Optional[Callable[[], list]] = None, **options):
+                 nodes_back: Optional[Callable[[], list]] = None,
+                 node_label: Optional[Callable[[str], str]] = None, **options):
         super().__init__(pool, view, call, **options)
         self._catcher = preemption
         self._grace = Grace(preemption)
-        self._resize = Resize(nodes_back, preemption.grace if preemption is not None else 0.0)
+        self._resize = Resize(nodes_back, preemption.grace if preemption is not None else 0.0, node_label)
         self.steps: dict[int, int] = {}
 
     def run(self, begin) -> list:

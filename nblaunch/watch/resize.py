@@ -36,8 +36,10 @@ class Resize:
     seconds. :meth:`check` says, once, when the grace is over with ranks
     still in the call (the watch then stops them)."""
 
-    def __init__(self, back: Optional[Callable[[], list]], grace: float):
+    def __init__(self, back: Optional[Callable[[], list]], grace: float,
+                 label: Optional[Callable[[str], str]] = None):
         self._back = back  # None: this launch cannot grow
+        self._label = label or str  # a node as notices name it ("n4 (in place of n3)")
         self.grace = grace
         self.nodes: list = []
         self.until: Optional[float] = None
@@ -56,8 +58,9 @@ class Resize:
             if not self.nodes:
                 return False
             self.until = now + self.grace
-            pool.preempt(reason(self.nodes))
-            view.notice(f"{_names(self.nodes)} {'is' if len(self.nodes) == 1 else 'are'} back: resizing; the ranks "
+            named = [self._label(n) for n in self.nodes]
+            pool.preempt(reason(named))
+            view.notice(f"{_names(named)} {'is' if len(self.nodes) == 1 else 'are'} back: resizing; the ranks "
                         f"have {self.grace:g} s to save and return (nblaunch.preempted() is true on every rank), "
                         "then fn is called again on the larger set of nodes")
             for r in in_call:
