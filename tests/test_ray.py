@@ -408,3 +408,58 @@ def test_a_frozen_ray_node_is_named_within_node_lost_after(cluster, netns, tmp_p
                 except psutil.Error:
                     pass
             psutil.wait_procs(stopped or [raylet], timeout=10)
+
+
+GROWER = """
+import os, time, nblaunch
+def grower(folder, steps=900):
+    import torch, torch.distributed as dist
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1)
+    for step in nblaunch.progress(range(20 if restart == 2 else steps), desc="train"):
+        dist.all_reduce(t)
+        if step == 0:
+            open(os.path.join(folder, f"first-{restart}-{rank}"), "w").close()
+        if nblaunch.preempted(agree=True):
+            with open(os.path.join(folder, f"notice-{restart}-{rank}"), "w") as f:
+                f.write(nblaunch.preempt_reason())
+            return (restart, rank, world, "resized")
+        time.sleep(0.1)
+    return (restart, rank, world)
+"""
+
+
+def test_a_ray_node_that_joins_after_a_loss_is_taken_and_the_run_is_on_three_nodes_again(
+        cluster, netns, tmp_path_factory, tmp_path):
+    """min_nodes=2 on three Ray nodes: the third dies, the run goes on on two; a node joins the
+    cluster (``ray start``, as a machine rebooted or the autoscaler's replacement would), and
+    once it has stayed alive for ``node_back_after`` every rank gets the notice (``resize: ...
+    is back``), returns, and ``fn`` is called again on three nodes (issue 48)."""
+    raylet = ray_cluster.add_node(cluster, str(tmp_path_factory.mktemp("ray6")), netns)
+    k = Kernel(netns=netns)
+    joined = None
+    try:
+        _ok(k.execute(f"import ray\nray.init(address={cluster!r}, log_to_driver=False)\n" + GROWER, timeout=120))
+        msg = k.execute_async(f"res = nblaunch.notebook_launcher(grower, ({str(tmp_path)!r},), num_processes=1, "
+                              "cluster=nblaunch.Ray(nodes=3), max_restarts=1, min_nodes=2, node_back_after=3, "
+                              "preempt_grace=20, display='text')\nprint(list(res)); print(res.restarts)")
+        _wait_files(tmp_path, "first-0-", 3)
+        ray_cluster.kill_node(raylet)
+        _wait_files(tmp_path, "first-1-", 2)
+        t_join = time.monotonic()
+        joined = ray_cluster.add_node(cluster, str(tmp_path_factory.mktemp("ray7")), netns)
+        _wait_files(tmp_path, "first-2-", 3, timeout=180)
+        grown = time.monotonic() - t_join
+        text = _ok(k.wait_for_reply(msg, timeout=180))
+        new = ray_cluster.node_id(joined)[:6]
+        assert "[(2, 0, 3), (2, 1, 3), (2, 2, 3)]" in text, text
+        notices = [open(tmp_path / f"notice-1-{r}").read() for r in range(2)]
+        assert all(re.fullmatch(rf"resize: \S+:{new} is back", n) for n in notices), notices
+        assert re.search(rf"restart 2 of 2: \S+:{new} back; 3 nodes, 3 ranks", text), text
+        print(f"on three nodes again {grown:.1f} s after `ray start` of the new node (node_back_after=3)")
+    finally:
+        k.shutdown()
+        _nothing_left()
+        if joined is not None:
+            ray_cluster.kill_node(joined)

@@ -18,6 +18,11 @@ SLURM. What Ray does differently, and what is done about it:
 * A node being drained (Ray's autoscaler before a spot node is reclaimed,
   ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) is a preemption
   notice to every rank, as SLURM's SIGTERM is (:mod:`nblaunch.watch.preempt`).
+* After a lost node (``min_nodes``), an alive node the agents are not on (one
+  that rejoined, a new one the autoscaler added) with room for a node's
+  ranks is taken once it has stayed alive for ``node_back_after``
+  (:mod:`.regrow`), up to ``max_nodes``: the next placement group has a
+  bundle more, as Ray Train's elastic scaling grows when resources return.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ __all__ = ["Ray", "RayEngine"]
 PLACEMENT_WAIT_S = 120.0
 PLACEMENT_QUIET_S = 1.0  # a placement this quick (the usual case) is not worth a notice
 DRAIN_POLL_S = 1.0  # how often the kernel asks Ray whether one of the launch's nodes is being drained
+NODES_POLL_S = 1.0  # how often the kernel asks Ray's GCS which nodes are alive (spare nodes to grow onto)
 
 
 def _ray():
@@ -91,6 +97,10 @@ class RayEngine(AgentEngine):
         self._per_node = {k: v * num_processes for k, v in spec.resources_per_rank.items() if v}
         self._gcs = ray.get_runtime_context().gcs_address
         self._pg = None
+        self._in_use: set = set()  # node ids (hex) of the agents' bundles
+        self._lost: set = set()  # node ids of nodes lost: never taken back
+        self._alive: dict = {}  # node id -> host name: alive nodes with room for a node's ranks
+        self._alive_at = -NODES_POLL_S
 
     @property
     def num_nodes(self) -> int:
@@ -102,6 +112,38 @@ class RayEngine(AgentEngine):
 
     def without(self, names: list[str]) -> None:
         self._want -= len(names)  # the next placement group has that many fewer bundles
+        # A Ray node lost is never taken back: a raylet started again is a node with a new id, and
+        # the GCS may still count a frozen one alive for a while.
+        gone = {i for i in self._in_use if any(n.endswith(":" + i[:6]) for n in names)}
+        self._in_use -= gone
+        self._lost |= gone
+
+    def spare(self) -> list[str]:
+        """Alive nodes (ids) the agents are not on, each with room for a node's ranks."""
+        self._refresh()
+        return [i for i in self._alive if i not in self._in_use and i not in self._lost]
+
+    def usable(self, name: str) -> bool:
+        """Alive now, as Ray's GCS says (a probe: asked afresh)."""
+        self._refresh(now=True)
+        return name in self._alive
+
+    def with_nodes(self, names: list[str]) -> None:
+        self._want += len(names)  # the next placement group spreads over them too (STRICT_SPREAD)
+
+    def node_label(self, name: str) -> str:
+        return f"{self._alive[name]}:{name[:6]}" if name in self._alive else name[:6]
+
+    def _refresh(self, now: bool = False) -> None:
+        if not now and time.monotonic() - self._alive_at < NODES_POLL_S:
+            return
+        try:
+            nodes = _ray().nodes()
+        except Exception:  # noqa: BLE001 - the GCS did not answer: asked again next time
+            return
+        self._alive_at = time.monotonic()
+        self._alive = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in nodes if n.get("Alive")
+                       and all(n.get("Resources", {}).get(k, 0) >= v for k, v in self._per_node.items())}
 
     @property
     def reach(self) -> str:
@@ -112,7 +154,7 @@ class RayEngine(AgentEngine):
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        self.close()  # a restarted generation's agents get a new group
+        self._remove_group()  # a restarted generation's agents get a new group
         self._pg = placement_group([dict(self._per_node) for _ in range(self._want)], strategy="STRICT_SPREAD")
         t0, said = time.monotonic(), False
         deadline = t0 + PLACEMENT_WAIT_S
@@ -142,9 +184,16 @@ class RayEngine(AgentEngine):
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._pg, placement_group_bundle_index=i)).remote() for i in range(self._want)]
         runs = [a.run.remote(environ, i, os.getcwd()) for i, a in enumerate(actors)]
-        return _Actors(actors, runs, _bundle_nodes(self._pg))
+        nodes = _bundle_nodes(self._pg)
+        self._in_use = set(nodes)
+        return _Actors(actors, runs, nodes)
 
     def close(self) -> None:
+        """Stop probing; remove the placement group."""
+        super().close()
+        self._remove_group()
+
+    def _remove_group(self) -> None:
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
