@@ -169,6 +169,7 @@ class Session:
                                 job_size=getattr(job, "size", 0), preemption=catcher,
                                 nodes_back=engine.nodes_back if c.min_nodes is not None else None,
                                 node_label=engine.node_label,
+                                resized_elsewhere=engine.resized_elsewhere if c.min_nodes is not None else None,
                                 stop_requested=self.stop_requested)
             results = watch.run(lambda: engine.place(pool, view))
             status = "finished"

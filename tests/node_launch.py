@@ -114,6 +114,53 @@ def train_dcp(folder, until=60, every=4):
             "rows": state["weight"].to_local().shape[0], "mean": state["weight"].full_tensor().mean().item(), **env}
 
 
+def train_grow(folder, until=200, every=5):
+    """Steps that save a plain checkpoint every ``every`` and on a notice (a resize is one), then
+    return; slow (0.2 s a step) until the run has been on two nodes and is on three again (the
+    test kills a node, then starts a launcher again). Each generation's first step is noted in
+    ``first-PHASE-RANK``: ``a`` three nodes at first, ``b`` two, ``c`` three again."""
+    _note_pid()
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import nblaunch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shrunk = os.path.join(folder, "shrunk")
+    if world == 2 and rank == 0:
+        open(shrunk, "w").close()
+    phase = "b" if world == 2 else ("c" if os.path.exists(shrunk) else "a")
+    ckpt = os.path.join(folder, "ckpt")
+    start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+
+    def save(step):
+        if rank == 0:
+            with open(ckpt + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(ckpt + ".tmp", ckpt)
+        dist.barrier()
+
+    t = torch.ones(1)
+    for step in nblaunch.progress(range(start, until), desc="train"):
+        dist.all_reduce(t)
+        if step == start:
+            with open(os.path.join(folder, f"first-{phase}-{rank}"), "w") as f:
+                json.dump({"time": time.time(), "world": world, "start": start, "pid": os.getpid()}, f)
+        if nblaunch.preempted(agree=True):
+            save(step)
+            with open(os.path.join(folder, f"notice-{phase}-{rank}"), "w") as f:
+                f.write(nblaunch.preempt_reason())
+            return {"phase": phase, "resized_at": step}
+        if (step + 1) % every == 0:
+            save(step + 1)
+        if phase != "c":
+            time.sleep(0.2)
+    return {"phase": phase, "world": world, "start": start, "step": until, "RANK": rank,
+            "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
+
+
 def main():
     scenario, endpoint, backend, rdzv_id = sys.argv[1:5]
     node_rank = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
@@ -130,7 +177,7 @@ def main():
     import nblaunch
 
     fn = {"ok": reduce_ranks, "raise": fail_on_rank3, "flaky": flaky_rank3, "forever": forever,
-          "dcp": train_dcp}[scenario]
+          "dcp": train_dcp, "grow": train_grow}[scenario]
     args = extra.pop("args", ())
     sizes = {"num_processes": 2, "num_nodes": 2} | extra
     try:

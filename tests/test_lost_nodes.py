@@ -168,3 +168,45 @@ def test_a_frozen_node_is_lost_after_node_lost_after_and_the_two_still_up_go_on(
     lost.communicate(timeout=60)  # thawed, it ends on its own
     assert not [pid for pid in frozen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     print(f"freeze -> the survivors' first step: {recovery:.1f} s")
+
+
+def test_a_launcher_started_again_is_taken_back_and_the_run_is_on_three_nodes_again(nodes, tmp_path):  # noqa: F811
+    """Issue 48 on nodes joined by c10d: three launchers with ``min_nodes=2``, one SIGKILLed; the
+    two still up go on; the same launcher started again (same ``rdzv_endpoint`` and ``rdzv_id``)
+    knocks at their next round, and once it has waited ``node_back_after`` every rank gets the
+    notice (``resize: ... is back``), saves and returns, and the three go on from the checkpoint.
+    The resize is not counted against ``max_restarts``."""
+    port = free_port()
+    endpoint, rdzv_id = f"127.0.0.1:{port}", uuid.uuid4().hex
+    extra = {"args": [str(tmp_path)], "num_processes": 1, "num_nodes": 3, "max_restarts": 1, "min_nodes": 2,
+             "node_lost_after": LOST_AFTER_S, "node_back_after": 2, "preempt_grace": 20}
+    for _ in range(3):
+        nodes.start("grow", endpoint, "c10d", rdzv_id, extra=extra)
+    host = _store_host(nodes.procs, port)
+    _wait_for("the three nodes' first step", lambda: len(list(tmp_path.glob("first-a-*"))) == 3)
+    _wait_for("a checkpoint", lambda: (tmp_path / "ckpt").exists())
+    lost = next(p for p in reversed(nodes.procs) if p.pid != host)
+    os.kill(lost.pid, signal.SIGKILL)
+    lost.wait(10)
+    _wait_for("the two nodes' first step", lambda: len(list(tmp_path.glob("first-b-*"))) == 2)
+    t_again = time.time()
+    nodes.start("grow", endpoint, "c10d", rdzv_id, extra=extra)  # the same launch, started again
+    again = nodes.procs[-1]
+    _wait_for("the three nodes' first step again", lambda: len(list(tmp_path.glob("first-c-*"))) == 3, 120)
+    grown = max(json.loads(f.read_text())["time"] for f in tmp_path.glob("first-c-*")) - t_again
+    outcomes = [_outcome(p, 120) for p in nodes.procs if p is not lost]
+
+    ranks = [r for res, _ in outcomes for r in res.get("results", [])]
+    assert sorted(r["RANK"] for r in ranks) == [0, 1, 2], outcomes
+    assert all(r["phase"] == "c" and r["world"] == 3 and r["step"] == 200 for r in ranks), ranks
+    starts = {json.loads(f.read_text())["start"] for f in tmp_path.glob("first-c-*")}
+    assert len(starts) == 1 and starts.pop() > json.loads((tmp_path / "first-b-0").read_text())["start"] > 0
+    notices = {(tmp_path / f"notice-b-{r}").read_text() for r in (0, 1)}
+    assert len(notices) == 1 and re.fullmatch(r"resize: 127\.0\.0\.1 \(pid \d+\) is back", notices.pop()), notices
+    for p, (res, text) in zip([p for p in nodes.procs if p is not lost], outcomes):
+        if p is again:  # its own first generation: no restart of its own (torchrun's count is per agent too)
+            assert [r["restart"] for r in res["results"]] == [0], res
+        else:
+            assert re.search(r"restart 1 of 1: node [0-2] lost at step \d+; 2 nodes, 2 ranks", text), text
+            assert re.search(r"restart 2 of 2: 127\.0\.0\.1 \(pid \d+\) back; 3 nodes, 3 ranks", text), text
+    print(f"started again -> the three nodes' first step: {grown:.1f} s (node_back_after=2)")

@@ -350,3 +350,41 @@ def test_a_replacement_asks_for_the_time_the_allocation_has_left(fields, left):
     import datetime
 
     assert minutes_left(fields, now=datetime.datetime(2026, 12, 7, 17, 0, 0)) == left
+
+
+# -- a launcher started again knocks at the next round of nodes joined by c10d (engines/rejoin.py) --
+
+@pytest.fixture
+def gate():
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from nblaunch.engines.rejoin import Gate
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    yield lambda: Gate(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10)), "run")
+    del store
+
+
+def test_a_late_launcher_knocks_at_the_round_after_the_one_running_and_is_counted_when_it_is_sealed(gate):
+    kernel_a, late = gate(), gate()  # each its own client, as each launcher has
+    assert late.current() is None  # before any loss: a launcher is one of the first
+    kernel_a.set_current(1)
+    assert late.knock(2, "10.0.0.3 (pid 7)") and late.knock(2, "10.0.0.4 (pid 8)")
+    assert kernel_a.knocking(2) == ["10.0.0.3 (pid 7)", "10.0.0.4 (pid 8)"]
+    assert kernel_a.seal(2) == ["10.0.0.3 (pid 7)", "10.0.0.4 (pid 8)"] == gate().seal(2)  # every node reads the same
+    assert kernel_a.knocking(2) == []
+    assert not late.knock(2, "10.0.0.5 (pid 9)")  # too late for that round: it knocks at the next one
+    assert late.knock(3, "10.0.0.5 (pid 9)") and kernel_a.knocking(3) == ["10.0.0.5 (pid 9)"]
+
+
+def test_the_first_resize_published_is_the_one_every_node_reads(gate):
+    a, b = gate(), gate()
+    assert a.resize(4) == []
+    assert a.resize(4, ["x (pid 1)"]) == ["x (pid 1)"]
+    assert b.resize(4, ["y (pid 2)"]) == ["x (pid 1)"] == b.resize(4)
+    assert b.resize(5) == []  # each attempt its own

@@ -90,6 +90,13 @@ class Engine(abc.ABC):
         returns those taken (a node may have gone again since)."""
         return []
 
+    def resized_elsewhere(self) -> list:
+        """After a generation whose ranks all returned: the nodes another node of the
+        job resized onto (nodes joined by a rendezvous each watch for nodes back; one
+        publishes the resize, and its ranks' notice may end the others' before their
+        own watch saw it). [] here: one kernel decides for the whole job."""
+        return []
+
     def node_label(self, name: str) -> str:
         """Node ``name`` as notices name it (a replacement says whose place it takes)."""
         return name

@@ -61,11 +61,23 @@ class ElasticEngine(LocalEngine):
         return WatchedNodes(num_nodes=c.num_nodes, node_rank=c.node_rank, endpoint=c.rdzv_endpoint,
                             backend=c.rdzv_backend, run_id=c.rdzv_id, rdzv_timeout_s=float(c.rdzv_timeout),
                             local_world_size=c.num_processes, addr=c.addr, store_timeout_s=self.pg_timeout,
-                            min_nodes=c.min_nodes, lost_after_s=c.lost_after)
+                            min_nodes=c.min_nodes, lost_after_s=c.lost_after, max_nodes=c.max_nodes,
+                            back_after_s=c.node_back_after)
 
     def shrink(self, failures: list) -> bool:
         """After a generation that lost nodes: the next runs on the nodes still up, if ``min_nodes`` allows."""
         return self.nodes.shrink(failures)
+
+    def nodes_back(self) -> list:
+        """Launchers started again with the same rdzv_endpoint, waiting to be taken back
+        (``min_nodes``; live ranks never grow: a launch only)."""
+        return [] if self.live else self.nodes.nodes_back()
+
+    def resized_elsewhere(self) -> list:
+        return self.nodes.resized_elsewhere()
+
+    def grow(self, names: list) -> list:
+        return self.nodes.grow(names)
 
     @property
     def job_nodes(self) -> int:

@@ -29,7 +29,7 @@ class LocalEngine(Engine):
     was handed back."""
 
     def __init__(self, config, live: bool, owner=None):
-        self.config = config
+        self.config, self.live = config, live
         self._owner = self if owner is None else owner
         try:
             self.plan = registry.enter(self._owner, lambda others: plan_ranks(

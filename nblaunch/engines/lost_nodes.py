@@ -13,6 +13,10 @@ of ``min_nodes`` to the nodes still up (``torchrun --nnodes=2:3``'s), which give
 ``RANK`` and ``WORLD_SIZE`` again. It completes once every node still up came, or
 ``min_nodes`` did and the last call (``NBLAUNCH_NODE_LOST_AFTER``) passed.
 
+A launcher started again with the same ``rdzv_endpoint`` and ``rdzv_id`` is taken back, up to
+``max_nodes`` (:mod:`.rejoin`): it knocks at the next round, the nodes running see it in their
+heartbeat's look, and once it has waited ``node_back_after`` the run resizes into it.
+
 The endpoint's store lives in the launcher that hosts ``rdzv_endpoint``. If that node is lost,
 the store goes with it: nothing is left for the others to meet on, so the run cannot go on;
 every node's error says so (``exc_type`` :data:`STORE_LOST`), and a restart is not tried.
@@ -22,13 +26,15 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import threading
 import time
 from typing import Optional
 
 from ..config import lost_after
-from ..errors import RankFailure
+from ..errors import LaunchError, RankFailure
 from .nodes import CLOSE_WAIT_S, NodeGroup, Placement
+from .rejoin import Gate
 
 __all__ = ["WatchedNodes", "Heartbeats", "NODE_LOST", "STORE_LOST"]
 
@@ -43,8 +49,15 @@ class Heartbeats:
     client of the endpoint's store of its own). ``lost``: node -> seconds its counter had stood
     still when it was found lost; ``store_error``: the store went away (set while running only)."""
 
-    def __init__(self, store, prefix: str, me: int, num_nodes: int, info: dict, lost_after_s: float):
+    def __init__(self, store, prefix: str, me: int, num_nodes: int, info: dict, lost_after_s: float,
+                 gate: Optional[tuple] = None):
         self._store, self._prefix, self._me, self._info = store, prefix, me, info
+        # (Gate on this thread's store client, this attempt): who knocks at the next round, a
+        # resize published; ``resize_wish``, set by the kernel's thread, is published here
+        self._gate = gate
+        self.knocking: list = []
+        self.resized: list = []
+        self.resize_wish: list = []
         self._others = [k for k in range(num_nodes) if k != me]
         self.lost_after = lost_after_s
         self.interval = min(1.0, lost_after_s / 4)
@@ -108,6 +121,10 @@ class Heartbeats:
         for k in [k for k in self._others if k not in self.infos]:
             if self._store.check([self._key(f"info/{k}")]):
                 self.infos[k] = json.loads(self._store.get(self._key(f"info/{k}")))
+        if self._gate is not None:
+            gate, attempt = self._gate
+            self.knocking = gate.knocking(attempt + 1)
+            self.resized = gate.resize(attempt, self.resize_wish or None)
 
 
 class _Round:
@@ -130,9 +147,16 @@ class WatchedNodes(NodeGroup):
     """A :class:`NodeGroup` whose nodes watch each other's heartbeats while their ranks run, and
     that goes on without lost nodes when ``min_nodes`` allows (c10d only)."""
 
-    def __init__(self, *, min_nodes: Optional[int] = None, lost_after_s: Optional[float] = None, **group):
+    def __init__(self, *, min_nodes: Optional[int] = None, lost_after_s: Optional[float] = None,
+                 max_nodes: Optional[int] = None, back_after_s: float = 10.0, **group):
         super().__init__(**group)
         self.min_nodes = min_nodes
+        self.max_nodes = max_nodes or self.num_nodes  # the most nodes a round grows back to
+        self.back_after = back_after_s
+        self._gate: Optional[Gate] = None  # c10d with min_nodes: launchers started again knock here
+        self._me = ""  # this launcher, as a knock names it
+        self._offset = 0  # a launcher that came late: the run's attempt when this one's first began
+        self._knocked_at: Optional[float] = None  # since when someone has knocked at the next round
         self.lost_after = lost_after_s if lost_after_s is not None else lost_after()  # the launch's node_lost_after
         self._beats: Optional[Heartbeats] = None
         self._beat_store = self._spare = None  # clients of the endpoint's store: the heartbeats', fresh rounds'
@@ -160,30 +184,59 @@ class WatchedNodes(NodeGroup):
             self._hosting = bool(self._params.config.get("is_host"))
             self._spare = dist.TCPStore(host, port, None, False, connect)
             self._spare.set_timeout(datetime.timedelta(seconds=max(60, int(self._rdzv_timeout))))
+            if self.min_nodes is not None:
+                self._gate = Gate(self._raw, self._run_id)
+                self._me = f"{self.addr} (pid {os.getpid()})"
         else:
             self._hosting = self._node_rank == 0
 
     def _join(self, attempt: int) -> Placement:
         self._stop_beats()
-        self._told, self._store_lost = False, None
+        self._told, self._store_lost, self._knocked_at = False, None, None
+        if self._raw is None and self.min_nodes is not None and self._backend == "c10d":
+            try:
+                self._connect(time.monotonic() + self._rdzv_timeout)
+                self._catch_up(attempt)
+            except LaunchError:
+                raise
+            except Exception as exc:
+                self._check_open()
+                raise self._join_error(exc) from exc
+        attempt += self._offset  # the run's attempt: rounds, heartbeats and failures are named by it
+        size = None
         if self._fresh:
-            self._new_round(attempt)
+            if self._offset == 0 or attempt > self._offset:  # a late launcher's first round was sealed by the others
+                self._gate.set_current(attempt)
+                size = min(self.max_nodes, self.num_nodes + len(self._gate.seal(attempt)))
+            self._new_round(attempt, size)
         pl = super()._join(attempt)
         if self._beat_store is not None and not self._closing.is_set():
+            gate = (Gate(self._beat_store, self._run_id), attempt) if self._gate is not None else None
             self._beats = Heartbeats(self._beat_store, f"nblaunch/{self._run_id}/beat/{attempt}", pl.node_rank,
-                                     pl.num_nodes, {"addr": self.addr, "store": self._hosting}, self.lost_after)
+                                     pl.num_nodes, {"addr": self.addr, "store": self._hosting}, self.lost_after, gate)
         return pl
 
-    def _new_round(self, attempt: int) -> None:
-        """A c10d round of its own (run id ``<rdzv_id>.<attempt>``) of ``min_nodes`` to ``num_nodes``."""
+    def _catch_up(self, attempt: int) -> None:
+        """A launcher started after the run went on without a lost node: it knocks at the round
+        after the one running, and waits in it (the nodes running grow into it)."""
+        current = self._gate.current()
+        if current is None:
+            return  # the run never shrank: this is one of its first launchers
+        while not self._gate.knock(current + 1, self._me):
+            current = self._gate.current()  # that round formed meanwhile: the next one
+        self._offset, self._fresh = current + 1 - attempt, True
+
+    def _new_round(self, attempt: int, size: Optional[int] = None) -> None:
+        """A c10d round of its own (run id ``<rdzv_id>.<attempt>``) of ``min_nodes`` to ``size``
+        (those still up and those who knocked; a late launcher: ``max_nodes``)."""
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-        rdzv, params = self._round(attempt)
+        rdzv, params = self._round(attempt, size or self.max_nodes)
         handler = _Round(create_handler(self._spare, rdzv, params), self)
         with self._state:
             self._handler, self._rdzv, self._params = handler, rdzv, params
 
-    def _round(self, attempt: int) -> tuple:
+    def _round(self, attempt: int, size: Optional[int] = None) -> tuple:
         """The backend and parameters of the fresh round of ``attempt``."""
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -191,7 +244,7 @@ class WatchedNodes(NodeGroup):
         run_id = f"{self._run_id}.{attempt}"
         params = RendezvousParameters(
             backend="c10d", endpoint=self._endpoint, run_id=run_id, min_nodes=min(self.min_nodes, self.num_nodes),
-            max_nodes=self.num_nodes, local_addr=self.addr, join_timeout=int(max(1, round(self._rdzv_timeout))),
+            max_nodes=size or self.num_nodes, local_addr=self.addr, join_timeout=int(max(1, round(self._rdzv_timeout))),
             last_call_timeout=int(max(1, round(self.lost_after))), close_timeout=int(CLOSE_WAIT_S),
             read_timeout=int(CLOSE_WAIT_S))
         return C10dRendezvousBackend(self._raw, run_id), params
@@ -268,6 +321,37 @@ class WatchedNodes(NodeGroup):
             f"{what} (rdzv_endpoint {self._endpoint}: {beats.store_error}): the nodes still up have nothing "
             "to meet on, so the run cannot go on, with or without min_nodes (start it again on the nodes "
             "still up, with rdzv_endpoint on one of them)"))
+
+    def nodes_back(self) -> list:
+        """Launchers that knocked at the next round and have waited ``node_back_after`` (as many as
+        ``max_nodes`` leaves room for), once one node published the resize: every node names the same."""
+        beats = self._beats
+        if beats is None or self._gate is None:
+            return []
+        if beats.resized:
+            return list(beats.resized)
+        room = self.max_nodes - self.num_nodes
+        if not beats.knocking or room <= 0:
+            self._knocked_at = None
+            return []
+        now = time.monotonic()
+        self._knocked_at = self._knocked_at or now
+        if now - self._knocked_at >= self.back_after:
+            beats.resize_wish = beats.knocking[:room]  # published at the heartbeat's next look
+        return []
+
+    def resized_elsewhere(self) -> list:
+        """After this node's ranks all returned: the resize another node published for this
+        attempt (its ranks' notice ended theirs, ``preempted(agree=True)``, before this node's
+        look saw it), read now that the heartbeat thread is over; [] if none."""
+        if self._gate is None or self._beats is None:
+            return []
+        return self._beats.resized or Gate(self._beat_store, self._run_id).resize(self._attempt)
+
+    def grow(self, names: list) -> list:
+        """The next round is larger by ``names`` (it forms with whoever knocked)."""
+        self.num_nodes, self._fresh = min(self.max_nodes, self.num_nodes + len(names)), True
+        return list(names)
 
     # -- after -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ def write_notice(folder: str, text: str) -> None:
 
 
 _seen = False
+_agreed = ""  # the reason of the notice that reached another rank, learnt when ``agree=True`` turned true
 
 
 def preempted(agree: bool = False) -> bool:
@@ -30,10 +31,12 @@ def preempted(agree: bool = False) -> bool:
 
     ``agree=True`` makes it a collective on the default process group (every
     rank must call it at the same point, as with any collective): True on
-    every rank if the notice reached any, so that all save at the same step.
-    The notice reaches every rank within a few milliseconds, but a rank
-    between two checks may see it one step later than another."""
-    global _seen
+    every rank if the notice reached any, so that all save at the same step
+    (and ``preempt_reason()`` then says why on every rank, those the notice
+    had not reached yet too). The notice reaches every rank within a few
+    milliseconds, but a rank between two checks may see it one step later
+    than another."""
+    global _seen, _agreed
     if not _seen:
         _seen = _notice_here()
     if not agree:
@@ -47,6 +50,10 @@ def preempted(agree: bool = False) -> bool:
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not _agreed:  # every rank is here at once, on the same call: one more collective
+        reasons: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, preempt_reason())
+        _agreed = next((r for r in reasons if r), "") or "a notice to another rank"
     _seen = bool(flag.item())
     return _seen
 
@@ -61,7 +68,7 @@ def preempt_reason() -> str:
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
     except (OSError, TypeError):
-        return ""
+        return _agreed
 
 
 def _notice_path():

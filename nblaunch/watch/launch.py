@@ -25,15 +25,19 @@ class LaunchWatch(CallWatch):
     step its progress bar last showed) and ``preemption`` (a
     :class:`~nblaunch.watch.preempt.Catcher`, None: nothing is caught) and
     ``nodes_back`` (asked each tick: nodes to grow onto; None: the launch
-    cannot grow), each named in notices by ``node_label``."""
+    cannot grow), each named in notices by ``node_label``; ``resized_elsewhere``
+    (asked once the ranks all returned) says whether another node of the job
+    resized it meanwhile."""
 
     def __init__(self, pool, view, call: int, *, preemption: Optional[Catcher] = None,
                  nodes_back: Optional[Callable[[], list]] = None,
-                 node_label: Optional[Callable[[str], str]] = None, **options):
+                 node_label: Optional[Callable[[str], str]] = None,
+                 resized_elsewhere: Optional[Callable[[], list]] = None, **options):
         super().__init__(pool, view, call, **options)
         self._catcher = preemption
         self._grace = Grace(preemption)
         self._resize = Resize(nodes_back, preemption.grace if preemption is not None else 0.0, node_label)
+        self._resized_elsewhere = resized_elsewhere
         self.steps: dict[int, int] = {}
 
     def run(self, begin) -> list:
@@ -71,6 +75,10 @@ class LaunchWatch(CallWatch):
         failures = [part.failure for part in self._parts if part.failure is not None]
         if self._resize.started and self._grace.until is None and all(_stopped(f) for f in failures):
             raise Resized(self._resize.nodes)  # what the ranks returned is dropped: fn runs again, larger
+        if not failures and not self._resize.started and self._resized_elsewhere is not None:
+            elsewhere = self._resized_elsewhere()
+            if elsewhere:
+                raise Resized(elsewhere)
         try:
             return super()._outcome()
         except WorkerError as exc:
