@@ -134,17 +134,24 @@ class Session:
         job = engine.job(fn, tuple(args), kwargs)
         catcher = Catcher(c.preempt_grace)  # armed while each generation's ranks run
         history.begin(engine.job_nodes)
-        failed, said = 0, []
+        failed, said, grown = 0, [], []
         for attempt in itertools.count():
             said += engine.said()  # a replacement node asked for, granted, given back
+            labels, grown = [engine.node_label(n) for n in grown], grown
             try:
                 results = self._attempt(job, attempt, notices + history.lines + said, catcher)
                 results.restarts = list(history.lines)
                 return results
             except Resized as resized:
-                taken = engine.grow(resized.nodes)
-                history.resized([engine.node_label(n) for n in taken or resized.nodes], engine.job_nodes,
-                                engine.job_world_size, taken=bool(taken))
+                grown = engine.grow(resized.nodes)
+                history.resized([engine.node_label(n) for n in grown or resized.nodes], engine.job_nodes,
+                                engine.job_world_size, taken=bool(grown))
+            except LaunchError:
+                # A generation grown onto nodes back that could not start: one went again between its
+                # last probe and the start. The run goes on without them, as after a lost node.
+                if not grown or not engine.ungrow(grown):
+                    raise
+                history.resized(labels, engine.job_nodes, engine.job_world_size, taken=False)
             except WorkerError as exc:
                 if failed == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                     raise history.final(exc) from exc.__cause__

@@ -388,3 +388,33 @@ def test_the_first_resize_published_is_the_one_every_node_reads(gate):
     assert a.resize(4, ["x (pid 1)"]) == ["x (pid 1)"]
     assert b.resize(4, ["y (pid 2)"]) == ["x (pid 1)"] == b.resize(4)
     assert b.resize(5) == []  # each attempt its own
+
+
+class GoneAgainEngine(FakeEngine):
+    """n3 back during generation 0, gone again before generation 1 could start there."""
+
+    def new_pool(self, job, attempt):
+        if attempt == 1:
+            from nblaunch.errors import LaunchError
+
+            raise LaunchError("the agent on node 2 (n3) ended before it started its ranks")
+        return super().new_pool(job, attempt)
+
+    def ungrow(self, names):
+        self.nodes -= len(names)
+        self.ungrown = names
+        return True
+
+
+def test_a_node_back_that_goes_again_before_the_larger_generation_starts_is_left_out_and_the_run_goes_on(
+        monkeypatch):
+    from nblaunch import session as session_module
+
+    engine = GoneAgainEngine()
+    monkeypatch.setattr(session_module, "engine_for", lambda config, live, owner: engine)
+    config = LaunchConfig(1, cluster="slurm", min_nodes=2, max_restarts=0, display="none", preempt_grace=5)
+    engine.nodes_back = lambda: ["n3"] if len(engine.pools) == 1 and engine.pools[-1].polls > 3 else []
+    results = session_module.Session(config, live=False).launch(lambda: None, [], {})
+    assert engine.ungrown == ["n3"] and len(results) == 2  # on the two nodes it had
+    assert results.restarts == ["restart 1 of 1: n3 back; 3 nodes, 3 ranks",
+                                "restart 2 of 2: n3 back, gone again before it could be used; 2 nodes, 2 ranks"]

@@ -144,6 +144,11 @@ class AgentEngine(Engine):
             self._comebacks.taken(names)
         return names
 
+    def ungrow(self, names: list[str]) -> bool:
+        """The nodes taken back went again before their generation started: left out, and probed anew."""
+        self.without(names)
+        return True
+
     def close(self) -> None:
         """Stop probing; a kind gives back what it asked for, then calls this."""
         if self._comebacks is not None:

@@ -90,6 +90,11 @@ class Engine(abc.ABC):
         returns those taken (a node may have gone again since)."""
         return []
 
+    def ungrow(self, names: list) -> bool:
+        """A generation grown onto ``names`` (:meth:`grow`) could not start: whether
+        the next runs without them again (True), as before. False here."""
+        return False
+
     def resized_elsewhere(self) -> list:
         """After a generation whose ranks all returned: the nodes another node of the
         job resized onto (nodes joined by a rendezvous each watch for nodes back; one
