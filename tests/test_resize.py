@@ -152,7 +152,15 @@ def test_a_resize_is_a_restart_line_that_never_counts_against_max_restarts():
     assert history.lines[1] == "restart 2 of 3: n3 back; 3 nodes, 6 ranks"
     assert re.fullmatch(r"restart 1 of 2: .*n3.* at step 40; 2 nodes, 4 ranks", history.lines[0]), history.lines[0]
     assert history.summary().startswith("finished after 2 restart(s): ")
-    assert history.summary().endswith("; nodes over time: 3 from 0:00, 2 from 0:00, 3 from 0:00")
+    assert re.search(r"; nodes over time: [▁-█]{24} \(3 from 0:00, 2 from 0:00, 3 from 0:00\)$", history.summary())
+
+
+def test_the_summary_draws_the_nodes_against_time_as_a_strip():
+    from nblaunch.watch.restarts import size_strip
+
+    # three nodes for 12 minutes, two for 6, three again for 6; a cell is 3 minutes
+    assert size_strip([(0, 3), (720, 2), (1080, 3)], 1440, cells=8) == "████▆▆██"
+    assert size_strip([(0, 4), (30, 1)], 60, cells=4) == "██▃▃"
 
 
 # -- a generation ended by a resize ------------------------------------------------------

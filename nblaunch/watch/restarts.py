@@ -13,7 +13,7 @@ from typing import Optional
 
 from ..errors import WorkerError
 
-__all__ = ["History", "may_restart"]
+__all__ = ["History", "may_restart", "size_strip"]
 
 
 class History:
@@ -61,8 +61,24 @@ class History:
             return None
         strip = ""
         if len({n for _, n in self.sizes}) > 1:  # the nodes against time: "3 from 0:00, 2 from 0:12, 3 from 0:41"
-            strip = "; nodes over time: " + ", ".join(f"{n} from {int(t) // 60}:{int(t) % 60:02d}" for t, n in self.sizes)
+            strip = (f"; nodes over time: {size_strip(self.sizes, time.monotonic() - self._t0)} ("
+                     + ", ".join(f"{n} from {int(t) // 60}:{int(t) % 60:02d}" for t, n in self.sizes) + ")")
         return f"finished after {len(self.lines)} restart(s): " + "; ".join(self.lines) + strip
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def size_strip(sizes: list, total: float, cells: int = 24) -> str:
+    """The nodes against time as one line of bars, ``cells`` wide, each the size at its
+    middle (``sizes``: (seconds from the start, nodes from then on), in order)."""
+    most = max(n for _, n in sizes)
+    out = []
+    for i in range(cells):
+        t = (i + 0.5) * total / cells
+        n = [n for start, n in sizes if start <= t][-1] if total > 0 else sizes[-1][1]
+        out.append(_BARS[max(0, round(n / most * (len(_BARS) - 1)))])
+    return "".join(out)
 
 
 def at_step(steps: dict, rank: int) -> str:
