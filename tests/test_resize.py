@@ -426,3 +426,9 @@ def test_a_node_back_that_goes_again_before_the_larger_generation_starts_is_left
     assert engine.ungrown == ["n3"] and len(results) == 2  # on the two nodes it had
     assert results.restarts == ["restart 1 of 1: n3 back; 3 nodes, 3 ranks",
                                 "restart 2 of 2: n3 back, gone again before it could be used; 2 nodes, 2 ranks"]
+
+
+def test_past_an_hour_the_summary_counts_hours():
+    from nblaunch.watch.restarts import _clock
+
+    assert (_clock(0), _clock(724.9), _clock(3600), _clock(94324)) == ("0:00", "12:04", "1:00:00", "26:12:04")

@@ -62,11 +62,17 @@ class History:
         strip = ""
         if len({n for _, n in self.sizes}) > 1:  # the nodes against time: "3 from 0:00, 2 from 0:12, 3 from 0:41"
             strip = (f"; nodes over time: {size_strip(self.sizes, time.monotonic() - self._t0)} ("
-                     + ", ".join(f"{n} from {int(t) // 60}:{int(t) % 60:02d}" for t, n in self.sizes) + ")")
+                     + ", ".join(f"{n} from {_clock(t)}" for t, n in self.sizes) + ")")
         return f"finished after {len(self.lines)} restart(s): " + "; ".join(self.lines) + strip
 
 
 _BARS = "▁▂▃▄▅▆▇█"
+
+
+def _clock(seconds: float) -> str:
+    """``12:04``; past an hour ``26:12:04`` (a week-long run's hours are counted on, not days)."""
+    t = int(seconds)
+    return f"{t // 3600}:{t % 3600 // 60:02d}:{t % 60:02d}" if t >= 3600 else f"{t // 60}:{t % 60:02d}"
 
 
 def size_strip(sizes: list, total: float, cells: int = 24) -> str:
