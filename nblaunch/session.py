@@ -137,7 +137,7 @@ class Session:
         failed, said, grown = 0, [], []
         for attempt in itertools.count():
             said += engine.said()  # a replacement node asked for, granted, given back
-            labels, grown = [engine.node_label(n) for n in grown], grown
+            just_grown, grown = grown, []  # the nodes this generation was grown onto
             try:
                 results = self._attempt(job, attempt, notices + history.lines + said, catcher)
                 results.restarts = list(history.lines)
@@ -146,18 +146,19 @@ class Session:
                 grown = engine.grow(resized.nodes)
                 history.resized([engine.node_label(n) for n in grown or resized.nodes], engine.job_nodes,
                                 engine.job_world_size, taken=bool(grown))
-            except LaunchError:
-                # A generation grown onto nodes back that could not start: one went again between its
-                # last probe and the start. The run goes on without them, as after a lost node.
-                if not grown or not engine.ungrow(grown):
-                    raise
-                history.resized(labels, engine.job_nodes, engine.job_world_size, taken=False)
             except WorkerError as exc:
                 if failed == c.max_restarts or catcher.caught or not may_restart(self.engine, exc):
                     raise history.final(exc) from exc.__cause__
                 failed += 1
                 self.restarts += 1
                 history.record(exc, self._steps, engine.job_nodes, engine.job_world_size)
+            except LaunchError as exc:  # not a WorkerError (a subclass): a generation that could not start
+                # A generation grown onto nodes back that could not start: one went again between its
+                # last probe and the start. The run goes on without them, as after a lost node.
+                labels = [engine.node_label(n) for n in just_grown]
+                if not just_grown or isinstance(exc, LaunchTimeout) or not engine.ungrow(just_grown):
+                    raise
+                history.resized(labels, engine.job_nodes, engine.job_world_size, taken=False)
         raise AssertionError("unreachable")
 
     def _attempt(self, job: Any, attempt: int, notices: list[str], catcher: Optional[Catcher] = None) -> LaunchResults:

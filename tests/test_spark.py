@@ -410,6 +410,65 @@ def test_a_lost_executor_with_min_nodes_goes_on_from_a_checkpoint_without_it(spa
     _no_spark_job_left(spark_kernel)
 
 
+GROWER = """
+import os, time, nblaunch
+def grower(folder, steps=1500):
+    import torch, torch.distributed as dist
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1)
+    for step in range(20 if restart == 2 else steps):
+        dist.all_reduce(t)
+        if step == 0:
+            with open(os.path.join(folder, f"first-{restart}-{rank}"), "w") as f:
+                f.write(executor())
+        if nblaunch.preempted(agree=True):
+            with open(os.path.join(folder, f"notice-{restart}-{rank}"), "w") as f:
+                f.write(nblaunch.preempt_reason())
+            return (restart, rank, world, "resized")
+        time.sleep(0.1)
+    return (restart, rank, world, executor())
+"""
+
+
+def _two_executors(kernel) -> None:
+    """Spark replaces an executor lost (half a minute here): a launch on two nodes needs both."""
+    assert "executors 2" in _ok(kernel.execute("""
+import time
+deadline = time.monotonic() + 180
+while spark.sparkContext._jsc.sc().getExecutorIds().size() < 2 and time.monotonic() < deadline:
+    time.sleep(0.2)
+print("executors", spark.sparkContext._jsc.sc().getExecutorIds().size())""", timeout=240))
+
+
+def test_after_a_lost_executor_its_replacement_is_taken_and_the_run_is_on_two_nodes_again(spark_kernel, tmp_path):
+    """Issue 48: min_nodes=1 on both executors, one JVM killed; the run goes on on one, Spark
+    starts an executor in its place, and once it has stayed registered for node_back_after
+    every rank gets the notice (``resize: executor N is back``) and fn runs on two again."""
+    _two_executors(spark_kernel)
+    _ok(spark_kernel.execute(STEPPER + GROWER))
+    msg = spark_kernel.execute_async(f"res = nblaunch.notebook_launcher(grower, ({str(tmp_path)!r},), "
+                                     "num_processes=1, cluster='spark', max_restarts=1, min_nodes=1, "
+                                     "node_back_after=3, preempt_grace=20, display='text')\n"
+                                     "print(list(res)); print(res.restarts)")
+    _wait_files(tmp_path, "first-0-", 2)
+    jvm, executor = _executor_jvm(_agent_of(1))
+    jvm.kill()
+    _wait_files(tmp_path, "first-1-", 1)
+    t_lost = time.monotonic()
+    _wait_files(tmp_path, "first-2-", 2, timeout=240)
+    grown = time.monotonic() - t_lost
+    text = _ok(spark_kernel.wait_for_reply(msg, timeout=120))
+    on = sorted((tmp_path / f"first-2-{r}").read_text() for r in range(2))
+    assert executor not in on and len(set(on)) == 2, on  # two executors, the lost one not among them
+    new = next(e for e in on if e != (tmp_path / "first-1-0").read_text())
+    assert (tmp_path / "notice-1-0").read_text() == f"resize: executor {new} is back"
+    assert re.search(rf"restart 2 of 2: executor {new} back; 2 nodes, 2 ranks", text), text
+    assert "[(2, 0, 2, " in text and "(2, 1, 2, " in text, text
+    print(f"on two executors again {grown:.1f} s after the survivor's first step (Spark's replacement included)")
+    _no_spark_job_left(spark_kernel)
+
+
 PREEMPTED = """
 import os, time, nblaunch
 def until_preempted(folder):
@@ -428,13 +487,7 @@ def test_an_executor_being_decommissioned_lets_every_rank_save_and_return(spark_
     instance's notice becomes): a preemption notice to every rank on every
     executor, which agree on a step and return."""
     _ok(spark_kernel.execute(PREEMPTED))
-    # Spark replaces the executor lost above (half a minute here): a launch on two nodes needs both.
-    assert "executors 2" in _ok(spark_kernel.execute("""
-import time
-deadline = time.monotonic() + 180
-while spark.sparkContext._jsc.sc().getExecutorIds().size() < 2 and time.monotonic() < deadline:
-    time.sleep(0.2)
-print("executors", spark.sparkContext._jsc.sc().getExecutorIds().size())""", timeout=240))
+    _two_executors(spark_kernel)
     msg = spark_kernel.execute_async(f"res = nblaunch.notebook_launcher(until_preempted, ({str(tmp_path)!r},), "
                                      "num_processes=1, cluster=nblaunch.Spark(nodes=2), display='text')\n"
                                      "print(list(res))")

@@ -28,12 +28,17 @@ differently, and what is done about it:
   through their lifelines the ranks) with it: a lost node. An executor being
   decommissioned (Spark's graceful decommission) is a preemption notice to
   every rank, as SLURM's SIGTERM is (:mod:`nblaunch.watch.preempt`).
+* After a lost executor (``min_nodes``), an executor the agents are not on
+  (Spark's replacement for the lost one, one the cluster manager added) is
+  taken once it has stayed registered for ``node_back_after``, up to
+  ``max_nodes``: the next stage has a task more (:mod:`.regrow`).
 """
 from __future__ import annotations
 
 import functools
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -51,6 +56,7 @@ __all__ = ["Spark", "SparkEngine", "spark_session", "in_local_mode"]
 EXECUTORS_WAIT_S = 120.0  # a fresh application's executors registering
 EXECUTORS_QUIET_S = 1.0  # executors this quick (the usual case) are not worth a notice
 DECOMMISSION_POLL_S = 1.0  # how often the kernel asks whether one of the executors is being decommissioned
+EXECUTORS_POLL_S = 1.0  # how often the kernel asks which executors there are (spare ones to grow onto)
 CANCEL_WAIT_S = 30.0  # a cancelled job group's tasks killed
 # Application id -> the last stage of agents started in it from this kernel,
 # which may still be ending when the next launch (or a restart) starts one.
@@ -88,6 +94,12 @@ def _context(session):
     except Exception as exc:  # noqa: BLE001 - Spark Connect has none
         raise LaunchError(f"cluster='spark' needs a classic SparkSession with a SparkContext; this one has none "
                           f"({type(exc).__name__}: a Spark Connect session cannot run barrier tasks)") from None
+
+
+def _executor_of(node_name: str) -> Optional[str]:
+    """The executor id in an agent's name (``host (executor 3)``, :mod:`.spark_task`)."""
+    found = re.search(r"\(executor ([^)]+)\)$", node_name)
+    return found.group(1) if found else None
 
 
 def _executors(sc) -> list[str]:
@@ -146,6 +158,9 @@ class SparkEngine(AgentEngine):
         self._slots = self._capacity()
         if self._asked and self._asked > self._slots:
             raise LaunchError(self._too_many(self._asked))
+        self._in_use: set = set()  # the executors the agents are on
+        self._lost: set = set()  # executors lost: never back (Spark's replacement has an id of its own)
+        self._seen, self._seen_at = [], -EXECUTORS_POLL_S
 
     def _capacity(self) -> int:
         """How many tasks the application's executors run at once (what a barrier stage may have)."""
@@ -173,6 +188,28 @@ class SparkEngine(AgentEngine):
 
     def without(self, names: list[str]) -> None:
         self._want = self.num_nodes - len(names)
+        gone = {_executor_of(n) for n in names} - {None}
+        self._in_use -= gone
+        self._lost |= gone
+
+    def spare(self) -> list[str]:
+        """Executors (ids) the agents are not on, never lost."""
+        if time.monotonic() - self._seen_at >= EXECUTORS_POLL_S:
+            self._seen, self._seen_at = _executors(self.sc), time.monotonic()
+        return [e for e in self._seen if e not in self._in_use and e not in self._lost]
+
+    def usable(self, name: str) -> bool:
+        return name in _executors(self.sc)
+
+    def with_nodes(self, names: list[str]) -> None:
+        self._want = self.num_nodes + len(names)  # the next stage has a task more for each
+
+    def node_label(self, name: str) -> str:
+        return f"executor {name}"
+
+    def place(self, pool, view) -> None:
+        super().place(pool, view)
+        self._in_use = {e for e in (_executor_of(pool.host(r) or "") for r in range(pool.size)) if e}
 
     def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
         """The executors registered (a fresh application's come a few seconds after its session)."""
@@ -202,7 +239,7 @@ class SparkEngine(AgentEngine):
         return stage
 
     def close(self) -> None:
-        pass  # the session is the notebook's: it stays
+        super().close()  # the probes; the session is the notebook's: it stays
 
 
 class _Stage(AgentStep):
