@@ -142,10 +142,14 @@ class _Agent:
         os._exit(1)
 
     def orphaned(self) -> bool:
-        """The process that started this agent is gone. A SIGTERM then is
-        its loss being cleaned up (Ray's raylet ends a dead actor's
-        children so), not a preemption notice: the node is lost."""
-        return os.getppid() != self._parent
+        """The process that started this agent is gone, or going (exiting: Linux
+        closes a dying process's files, which tells Ray's raylet it died, before it
+        hands its children on). A SIGTERM then is its loss being cleaned up (the
+        raylet ends a dead actor's children so), not a preemption notice: the
+        node is lost."""
+        from ..system.pidfds import exiting
+
+        return os.getppid() != self._parent or exiting(self._parent)
 
     def run(self) -> int:
         from .local_pool import LocalPool
