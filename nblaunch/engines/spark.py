@@ -102,6 +102,14 @@ def _executor_of(node_name: str) -> Optional[str]:
     return found.group(1) if found else None
 
 
+def _expected_executors(sc) -> Optional[int]:
+    """How many executors the application was given (``spark.executor.instances``,
+    or a ``local-cluster[N,...]`` master's N); None where Spark does not say."""
+    found = re.match(r"local-cluster\[\s*(\d+)", sc.master or "")
+    count = sc.getConf().get("spark.executor.instances") or (found.group(1) if found else None)
+    return int(count) if count and str(count).isdigit() else None
+
+
 def _executors(sc) -> list[str]:
     """The ids of the application's executors now."""
     ids = sc._jsc.sc().getExecutorIds().mkString(",")
@@ -214,13 +222,15 @@ class SparkEngine(AgentEngine):
     def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
         """The executors registered (a fresh application's come a few seconds after its session)."""
         t0, said = time.monotonic(), False
-        while not _executors(self.sc) or self._capacity() < (self._want or 1):
+        # One node per executor: a fresh application's are waited for, all it was given, not the first.
+        need = self._want or _expected_executors(self.sc) or 1
+        while not _executors(self.sc) or self._capacity() < need:
             if not said and time.monotonic() - t0 > EXECUTORS_QUIET_S:
                 notice(f"waiting for the Spark application's executors ({self.sc.master})")
                 said = True
             if time.monotonic() - t0 > EXECUTORS_WAIT_S:
                 raise LaunchError(f"the Spark application ({self.sc.master}) has no executors free for "
-                                  f"{self._want or 1} tasks after {EXECUTORS_WAIT_S:.0f} s")
+                                  f"{need} tasks after {EXECUTORS_WAIT_S:.0f} s")
             tick()
             time.sleep(0.2)
         self._slots = self._capacity()
