@@ -162,7 +162,9 @@ class SparkEngine(AgentEngine):
                               "allocation: start the session with spark.dynamicAllocation.enabled=false")
         self._profile = None  # one task per executor (_one_task_each), once executors are there
         self._asked = self.spec.nodes or (config.num_nodes if config.num_nodes > 1 else None)
-        self._want = self._asked or 0  # 0: one per executor, counted in allocate
+        # One node per executor the application was given (a fresh one's are waited for, not only the
+        # first to register); 0 where Spark does not say: one per executor there, counted in allocate.
+        self._want = self._asked or _expected_executors(self.sc) or 0
         self._slots = self._capacity()
         if self._asked and self._asked > self._slots:
             raise LaunchError(self._too_many(self._asked))
@@ -222,8 +224,7 @@ class SparkEngine(AgentEngine):
     def allocate(self, notice: Callable[[str], None], tick: Callable[[], None]) -> None:
         """The executors registered (a fresh application's come a few seconds after its session)."""
         t0, said = time.monotonic(), False
-        # One node per executor: a fresh application's are waited for, all it was given, not the first.
-        need = self._want or _expected_executors(self.sc) or 1
+        need = self._want or 1
         while not _executors(self.sc) or self._capacity() < need:
             if not said and time.monotonic() - t0 > EXECUTORS_QUIET_S:
                 notice(f"waiting for the Spark application's executors ({self.sc.master})")
