@@ -313,8 +313,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--every", type=float, default=180.0, help="seconds between two losses")
-    # 20, not the 60: a slurmd silent for SlurmdTimeout (30 s on .ci/slurm) is taken out of
-    # a --no-kill job by SLURM for good, and a replacement allocation is not built yet.
+    # Below SlurmdTimeout (300 s on .ci/slurm, SLURM's default): a slurmd silent that long is taken
+    # out of a --no-kill job by SLURM for good.
     parser.add_argument("--down", type=float, default=60.0, help="seconds a lost node stays down")
     parser.add_argument("--launches", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=100)
