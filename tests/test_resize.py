@@ -432,3 +432,14 @@ def test_past_an_hour_the_summary_counts_hours():
     from nblaunch.watch.restarts import _clock
 
     assert (_clock(0), _clock(724.9), _clock(3600), _clock(94324)) == ("0:00", "12:04", "1:00:00", "26:12:04")
+
+
+def test_a_request_slurm_would_not_take_is_said_and_the_run_goes_on():
+    from nblaunch.errors import LaunchError
+
+    def make(instead_of, exclude):
+        raise LaunchError("`scontrol show job 12` did not answer within 30 s: is slurmctld up?")
+    spares = Spares(make)
+    assert spares.ask(["n3"], room=1, exclude=["n1", "n2", "n3"]) == []
+    assert spares.said() == ["could not ask SLURM for a node in place of n3: `scontrol show job 12` did not answer "
+                             "within 30 s: is slurmctld up?"]

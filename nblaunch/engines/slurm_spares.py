@@ -128,7 +128,11 @@ class Spares:
             waiting = [r for r in self._all if r.pending or (r.host and r.host not in exclude)]
             made = []
             for name in lost[:max(0, room - len(waiting))]:
-                made.append(self._make(name, exclude + [r.host for r in self._all if r.host]))
+                try:
+                    made.append(self._make(name, exclude + [r.host for r in self._all if r.host]))
+                except Exception as exc:  # noqa: BLE001 - no request: said, and the run goes on on fewer nodes
+                    self._said.append(f"could not ask SLURM for a node in place of {name}: {exc}")
+                    continue
                 self._said.append(f"asked SLURM for a node in place of {name}" + (
                     f" (job {made[-1].job})" if made[-1].job else "") + ": the run grows into it once granted")
             self._all += made
