@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,10 @@ def runs(args) -> int:
 
 def attach(args) -> int:
     run = _run(args.id)
+    # SIGINT leaves the view, even where it came ignored (a script's background job, a detached
+    # test run: a shell without job control starts those so): `kill -INT` from a script that
+    # started this follower is how it leaves, as Ctrl-C is at a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run.follow(display="text", wait=True)
     except KeyboardInterrupt:
